@@ -1,0 +1,95 @@
+"""The `[offload]` config section (host-offload engine).
+
+The lead's JobConfig includes it as section ``offload``:
+``from flame.offload.config import Offload``. Field docstrings are shown by ``--help``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from flame.errors import ConfigError
+
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+@dataclass
+class Offload:
+    enable: Literal["auto", "on", "off"] = "auto"
+    """auto: offload only when the plain (all-resident FSDP2) plan does not fit the GPU budget;
+    on: always run the offload engine (even if everything fits); off: never offload."""
+
+    gpu_memory_gib: float = 0.0
+    """GPU memory budget per GPU in GiB. 0 = device total minus `gpu_margin_gib`."""
+
+    gpu_margin_gib: float = 2.0
+    """Margin kept free on the GPU (CUDA context, NCCL buffers, allocator fragmentation) when
+    `gpu_memory_gib` is 0."""
+
+    host_memory_gib: float = 0.0
+    """Host RAM budget per node in GiB. 0 = cgroup limit / Slurm allocation / MemAvailable,
+    whichever is smallest, minus `host_margin_gib`."""
+
+    host_margin_gib: float = 8.0
+    """Margin kept free on the host (data loader workers, page cache, Python) when
+    `host_memory_gib` is 0."""
+
+    compute_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    """dtype of the weights the GPU computes with (the streamed copy)."""
+
+    master_dtype: Literal["bfloat16", "float16", "float32"] = "float32"
+    """dtype of the master weights the optimizer updates."""
+
+    grad_dtype: Literal["bfloat16", "float16", "float32"] = "float32"
+    """dtype gradients are accumulated and stored in (on GPU or on host)."""
+
+    moment_dtype: Literal["bfloat16", "float16", "float32"] = "float32"
+    """dtype of the AdamW moments (exp_avg, exp_avg_sq)."""
+
+    plan: str = "auto"
+    """'auto' to solve for the fastest plan under the budgets, or the path of a plan JSON file
+    (written by `python -m flame.offload.plan --offload.save_plan ...`) to replay exactly."""
+
+    save_plan: str = ""
+    """If set, write the chosen plan to this JSON path."""
+
+    profile: str = ""
+    """Path of the cached hardware profile JSON. Empty: `<dump_folder>/offload_profile.json`;
+    measured (~30 s) on the first GPU run when missing."""
+
+    prefetch_depth: int = 0
+    """Blocks whose weights are in flight ahead of the block computing. 0 = chosen by the planner."""
+
+    micro_batch_tokens: int = 0
+    """Tokens per micro-batch. 0 = `training.local_batch_size * training.seq_len`
+    (the trainer's own micro-batch)."""
+
+    cpu_threads: int = 0
+    """Threads of the CPU optimizer. 0 = all cores the process may use minus one."""
+
+    calibrate: bool = True
+    """After the first steps, compare measured per-block time and memory with the prediction, refit
+    the cost model, and re-plan once if off by more than 10%."""
+
+    overrides: list[str] = field(default_factory=list)
+    """Per-decision overrides for experts, comma-separated `key=value`, block index ranges allowed:
+    `weights[0-3]=gpu`, `weights[4-31]=host`, `grads[*]=host`, `optimizer[*]=cpu`,
+    `activations[*]=recompute|keep|offload|selective`, `prefetch=2`, `micro_batch_tokens=8192`."""
+
+    def validate(self) -> None:
+        """Raise ConfigError (one line naming the value) on bad input."""
+        if self.enable not in ("auto", "on", "off"):
+            raise ConfigError(f"offload.enable={self.enable!r}: expected auto, on or off")
+        for name in ("gpu_memory_gib", "host_memory_gib", "gpu_margin_gib", "host_margin_gib"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or v < 0:
+                raise ConfigError(f"offload.{name}={v!r}: expected a number >= 0")
+        for name in ("compute_dtype", "master_dtype", "grad_dtype", "moment_dtype"):
+            v = getattr(self, name)
+            if v not in DTYPES:
+                raise ConfigError(f"offload.{name}={v!r}: expected one of {', '.join(DTYPES)}")
+        for name in ("prefetch_depth", "micro_batch_tokens", "cpu_threads"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 0:
+                raise ConfigError(f"offload.{name}={v!r}: expected an integer >= 0")
