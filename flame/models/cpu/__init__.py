@@ -1,0 +1,90 @@
+"""Pure-torch CPU fallbacks for FLA 0.6.0 (whose ops are Triton-only).
+
+Call :func:`enable_cpu_fallbacks` once (it is idempotent) before running FLA models on CPU. It
+replaces FLA's Triton entry points by device dispatchers: CPU tensors take flame's torch code, any
+other device calls the original FLA function unchanged.
+
+Covered model families (forward + backward, float32 and bfloat16, tested in tests/models):
+``gla, delta_net, gated_deltanet, gsa, hgrn2, mamba, mamba2, samba``.
+Not covered: ``reverse=True`` recurrences, value-dim gates in the delta rule, vocab-parallel and
+context-parallel kernels, FLA's ``use_attnres`` (``fused_attnres``), and FLA families whose layers use
+other Triton ops than the ones listed in ``FUNCTION_PATCHES`` (they still fail on CPU with
+Triton's "0 active drivers" error).
+"""
+from __future__ import annotations
+
+import importlib
+
+from flame.models.cpu import modules as M
+from flame.models.cpu import ops as O
+from flame.models.cpu.patch import MARK, patch_function_everywhere, patch_method
+
+CPU_FAMILIES = ('gla', 'delta_net', 'gated_deltanet', 'gsa', 'hgrn2', 'mamba', 'mamba2', 'samba')
+
+# (module that defines the name, name, torch implementation)
+FUNCTION_PATCHES = [
+    ('fla.ops.gla', 'chunk_gla', O.chunk_gla_cpu),
+    ('fla.ops.gla', 'fused_recurrent_gla', O.fused_recurrent_gla_cpu),
+    ('fla.ops.gla', 'fused_chunk_gla', O.fused_chunk_gla_cpu),
+    ('fla.ops.delta_rule', 'chunk_delta_rule', O.delta_rule_cpu),
+    ('fla.ops.delta_rule', 'fused_recurrent_delta_rule', O.delta_rule_cpu),
+    ('fla.ops.gated_delta_rule', 'chunk_gated_delta_rule', O.delta_rule_cpu),
+    ('fla.ops.gated_delta_rule', 'fused_recurrent_gated_delta_rule', O.delta_rule_cpu),
+    ('fla.ops.gsa', 'chunk_gsa', O.gsa_cpu),
+    ('fla.ops.gsa', 'fused_recurrent_gsa', O.gsa_cpu),
+    ('fla.modules.norm.layernorm', 'layer_norm', M.layer_norm_cpu),
+    ('fla.modules.norm.layernorm', 'rms_norm', M.rms_norm_cpu),
+    ('fla.modules.norm.layernorm', 'group_norm', M.group_norm_cpu),
+    ('fla.modules.norm.layernorm', 'layer_norm_linear', M.layer_norm_linear_cpu),
+    ('fla.modules.norm.layernorm', 'rms_norm_linear', M.rms_norm_linear_cpu),
+    ('fla.modules.norm.fused_norm_gate', 'layer_norm_gated', M.layer_norm_gated_cpu),
+    ('fla.modules.norm.fused_norm_gate', 'rms_norm_gated', M.rms_norm_gated_cpu),
+    ('fla.modules.norm.fused_norm_gate', 'layer_norm_swish_gate_linear', M.layer_norm_swish_gate_linear_cpu),
+    ('fla.modules.norm.fused_norm_gate', 'rms_norm_swish_gate_linear', M.rms_norm_swish_gate_linear_cpu),
+    ('fla.modules.norm.layernorm_gated', 'layernorm_fn', M.layernorm_fn_cpu),
+    ('fla.modules.norm.layernorm_gated', 'rmsnorm_fn', M.rmsnorm_fn_cpu),
+    ('fla.modules.norm.l2norm', 'l2norm', M.l2norm_cpu),
+    ('fla.modules.causal_conv1d.ops', 'causal_conv1d', M.causal_conv1d_cpu),
+    ('fla.modules.causal_conv1d.ops', 'causal_conv1d_update', M.causal_conv1d_update_cpu),
+    ('fla.modules.rotary.ops', 'rotary_embedding', M.rotary_embedding_cpu),
+] + [('fla.modules.activations.ops', name, fn) for name, fn in M.ACTIVATIONS_CPU.items()]
+
+_state = {'enabled': False}
+
+
+def enable_cpu_fallbacks() -> dict:
+    """Install the CPU dispatchers into FLA (idempotent; safe to call from every rank).
+
+    Imports ``fla`` (and thereby all its layers and models) first, so every ``from ... import``
+    alias already exists when the names are rebound. Returns ``{name: bindings replaced}``, which
+    is empty on repeated calls that had nothing new to patch.
+    """
+    import fla  # noqa: F401  (registers FLA models and imports every layer module)
+
+    report = {}
+    for home, name, impl in FUNCTION_PATCHES:
+        n = patch_function_everywhere(home, name, impl)
+        if n:
+            report[f'{home}.{name}'] = n
+
+    from fla.modules.fused_cross_entropy import FusedCrossEntropyLoss
+    from fla.modules.fused_linear_cross_entropy import FusedLinearCrossEntropyLoss
+    patch_method(FusedCrossEntropyLoss, 'forward', M.fused_cross_entropy_forward_cpu)
+    patch_method(FusedLinearCrossEntropyLoss, 'forward', M.fused_linear_cross_entropy_forward_cpu)
+
+    # Hybrids (samba, attn layers in FLA configs) need flash-attn at construction time. When it is
+    # absent, give fla.layers.attn SDPA stand-ins that serve CPU tensors and raise flash-attn's
+    # ImportError on any other device (where the layer could not be built before either).
+    attn = importlib.import_module('fla.layers.attn')
+    if getattr(attn, 'flash_attn_func', None) is None:
+        attn.flash_attn_func = M.flash_attn_func_cpu
+        attn.flash_attn_varlen_func = M.flash_attn_varlen_func_cpu
+    _state['enabled'] = True
+    return report
+
+
+def cpu_fallbacks_enabled() -> bool:
+    return _state['enabled']
+
+
+__all__ = ['CPU_FAMILIES', 'FUNCTION_PATCHES', 'MARK', 'cpu_fallbacks_enabled', 'enable_cpu_fallbacks']

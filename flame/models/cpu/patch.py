@@ -1,0 +1,81 @@
+"""Device dispatch: replace FLA entry points by wrappers that pick the torch path for CPU tensors.
+
+A wrapper looks at the first tensor among the call's arguments: on CPU it calls flame's torch
+implementation, on any other device it calls the original FLA function unchanged. Wrappers carry
+``__flame_cpu_original__`` so that patching twice is a no-op (idempotence) and so that tests can
+reach the original.
+"""
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Callable
+
+import torch
+
+MARK = '__flame_cpu_original__'
+
+
+def first_tensor(args, kwargs) -> torch.Tensor | None:
+    for a in list(args) + list(kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            return a
+    return None
+
+
+def is_cpu_call(args, kwargs) -> bool:
+    t = first_tensor(args, kwargs)
+    return t is not None and t.device.type == 'cpu'
+
+
+def make_dispatcher(original: Callable, cpu_impl: Callable, skip_self: bool = False) -> Callable:
+    """Wrap ``original`` so CPU calls go to ``cpu_impl``; ``skip_self`` for methods (self is a Module)."""
+    @functools.wraps(original)
+    def dispatcher(*args, **kwargs):
+        probe = args[1:] if skip_self else args
+        if is_cpu_call(probe, kwargs):
+            return cpu_impl(*args, **kwargs)
+        return original(*args, **kwargs)
+
+    setattr(dispatcher, MARK, original)
+    dispatcher.__flame_cpu_impl__ = cpu_impl
+    return dispatcher
+
+
+def _fla_modules():
+    return [m for name, m in list(sys.modules.items())
+            if m is not None and (name == 'fla' or name.startswith('fla.'))]
+
+
+def patch_function_everywhere(home_module: str, name: str, cpu_impl: Callable) -> int:
+    """Replace ``home_module.name`` and every alias of the same object in loaded ``fla.*`` modules
+    (layers do ``from fla.ops.gla import chunk_gla``, so the name is bound in many namespaces) and in
+    dict registries such as ``ACT2FN``. Returns the number of bindings replaced."""
+    home = sys.modules.get(home_module)
+    if home is None:
+        __import__(home_module)
+        home = sys.modules[home_module]
+    current = getattr(home, name)
+    original = getattr(current, MARK, current)
+    wrapper = current if hasattr(current, MARK) else make_dispatcher(original, cpu_impl)
+    count = 0
+    for mod in _fla_modules():
+        d = getattr(mod, '__dict__', {})
+        for attr, val in list(d.items()):
+            if val is original:
+                setattr(mod, attr, wrapper)
+                count += 1
+            elif isinstance(val, dict) and attr.isupper():
+                for key, item in list(val.items()):
+                    if item is original:
+                        val[key] = wrapper
+                        count += 1
+    return count
+
+
+def patch_method(cls: type, name: str, cpu_impl: Callable) -> None:
+    """Replace ``cls.name`` (a method whose first argument is self) by a device dispatcher."""
+    current = cls.__dict__[name]
+    if hasattr(current, MARK):
+        return
+    setattr(cls, name, make_dispatcher(current, cpu_impl, skip_self=True))
