@@ -1,0 +1,1 @@
+"""Compute kernels (Triton) and their pure-torch references. Never imports flame.models."""

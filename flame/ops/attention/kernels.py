@@ -1,0 +1,298 @@
+"""Triton kernels for causal attention with softmax, softpick or rectified-softmax rows.
+
+Layout: q [N_tok, HQ, D], k/v [N_tok, HK, D] (tokens flattened over batch and documents),
+statistics [N_tok, HQ] in float32. Logits are kept in base 2: ``s2 = (q . k) * scale * log2(e)``.
+
+Per query row i and admissible key j (causal, same document):
+
+* softmax:   w_ij = 2^(s2_ij - m_i) / l_i,  l_i = sum_j 2^(s2_ij - m_i)
+* rectified: the same over keys with s_ij >= 0 only (rows without any give 0)
+* softpick:  w_ij = relu(e^s_ij - 1) / (sum_j |e^s_ij - 1| + eps); with the running max
+  m_i = max(0, max_j s2_ij) both sums are scaled by 2^-m_i, so every term lies in [-1, 1]:
+  relu(2^(s2 - m) - 2^-m) / (sum |2^(s2 - m) - 2^-m| + eps 2^-m).
+
+Forward stores ``lse2_i = m_i + log2(den_i)`` (base-2 log of the un-scaled denominator), so the
+backward recomputes ``g_ij = 2^(s2_ij - lse2_i)`` = exp(s_ij) / den_i.
+
+Backward (D_i = sum_d dO_id O_id, dp_ij = dO_i . v_j):
+
+* softmax / rectified: ds_ij = w_ij (dp_ij - D_i)
+* softpick:            ds_ij = g_ij ([s_ij > 0] dp_ij - sign(s_ij) D_i)
+
+Grids are (blocks of the longest document, heads, documents); programs past the end of their
+document exit at once. Masked (diagonal) and unmasked tiles run in separate loops.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+MODE_IDS = {"softmax": 0, "softpick": 1, "rectified": 2}
+
+
+@triton.jit
+def _doc_bounds(CU, pid_doc, T, IS_VARLEN: tl.constexpr):
+    if IS_VARLEN:
+        bos = tl.load(CU + pid_doc).to(tl.int64)
+        eos = tl.load(CU + pid_doc + 1).to(tl.int64)
+        seqlen = (eos - bos).to(tl.int32)
+    else:
+        bos = pid_doc.to(tl.int64) * T
+        seqlen = T
+    return bos, seqlen
+
+
+@triton.jit
+def _fwd_tiles(
+    acc, l, m, q, k_base, v_base, offs_m, lo, hi, seqlen, scale_log2,
+    KV_STRIDE: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+    MODE: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr, BN: tl.constexpr,
+):
+    offs_n = tl.arange(0, BN)
+    offs_d = tl.arange(0, BD)
+    mask_d = offs_d < D
+    for start in range(lo, hi, BN):
+        kn = start + offs_n
+        kv_off = kn[:, None] * KV_STRIDE + offs_d[None, :]
+        if MASKED or D != BD:
+            kv_mask = (kn[:, None] < seqlen) & mask_d[None, :]
+            k = tl.load(k_base + kv_off, mask=kv_mask, other=0.0)
+            v = tl.load(v_base + kv_off, mask=kv_mask, other=0.0)
+        else:
+            k = tl.load(k_base + kv_off)
+            v = tl.load(v_base + kv_off)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
+        if MASKED:
+            valid = (offs_m[:, None] >= kn[None, :]) & (kn[None, :] < seqlen)
+        if MODE == 1:
+            if MASKED:
+                m_new = tl.maximum(m, tl.max(tl.where(valid, s, float("-inf")), 1))
+            else:
+                m_new = tl.maximum(m, tl.max(s, 1))
+            e = tl.exp2(s - m_new[:, None]) - tl.exp2(-m_new)[:, None]
+            if MASKED:
+                e = tl.where(valid, e, 0.0)
+            p = tl.maximum(e, 0.0)
+            row = tl.sum(tl.abs(e), 1)
+        else:
+            if MODE == 2:
+                keep = s >= 0
+                if MASKED:
+                    keep = keep & valid
+                s = tl.where(keep, s, float("-inf"))
+            elif MASKED:
+                s = tl.where(valid, s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            p = tl.exp2(s - m_new[:, None])
+            row = tl.sum(p, 1)
+        alpha = tl.exp2(m - m_new)
+        l = l * alpha + row
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        m = m_new
+    return acc, l, m
+
+
+@triton.jit
+def attn_fwd_kernel(
+    Q, K, V, O, LSE, CU, scale_log2, eps, T,
+    HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+    MODE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr,
+):
+    blk = tl.program_id(0)
+    h = tl.program_id(1)
+    bos, seqlen = _doc_bounds(CU, tl.program_id(2), T, IS_VARLEN)
+    if blk * BM >= seqlen:
+        return
+    hk = h // (HQ // HK)
+    offs_m = blk * BM + tl.arange(0, BM)
+    offs_d = tl.arange(0, BD)
+    mask_m = offs_m < seqlen
+    mask_d = offs_d < D
+    q_ptrs = Q + bos * (HQ * D) + h * D + offs_m[:, None] * (HQ * D) + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+    k_base = K + bos * (HK * D) + hk * D
+    v_base = V + bos * (HK * D) + hk * D
+
+    acc = tl.zeros([BM, BD], dtype=tl.float32)
+    l = tl.zeros([BM], dtype=tl.float32)
+    if MODE == 0:
+        m = tl.full([BM], -1.0e30, dtype=tl.float32)
+    else:
+        m = tl.zeros([BM], dtype=tl.float32)
+    diag = blk * BM
+    acc, l, m = _fwd_tiles(acc, l, m, q, k_base, v_base, offs_m, 0, diag, seqlen, scale_log2,
+                           HK * D, D, BD, MODE, False, PREC, BN)
+    hi = tl.minimum(diag + BM, seqlen)
+    acc, l, m = _fwd_tiles(acc, l, m, q, k_base, v_base, offs_m, diag, hi, seqlen, scale_log2,
+                           HK * D, D, BD, MODE, True, PREC, BN)
+
+    if MODE == 1:
+        den = l + eps * tl.exp2(-m)
+        o = acc / den[:, None]
+        lse = m + tl.log2(den)
+    else:
+        pos = l > 0
+        safe = tl.where(pos, l, 1.0)
+        o = tl.where(pos[:, None], acc / safe[:, None], 0.0)
+        lse = tl.where(pos, m + tl.log2(safe), 1.0e30)
+    o_ptrs = O + bos * (HQ * D) + h * D + offs_m[:, None] * (HQ * D) + offs_d[None, :]
+    tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+    tl.store(LSE + (bos + offs_m) * HQ + h, lse, mask=mask_m)
+
+
+@triton.jit
+def _weights_and_grad(s, dp, lse, delta, valid, MODE: tl.constexpr, MASKED: tl.constexpr, ROW_AXIS: tl.constexpr):
+    """Attention weights w and logit gradient ds (w.r.t. base-e logits) for a tile.
+
+    ``lse``/``delta`` are per query; ROW_AXIS says whether queries run along axis 0 (dq tile)
+    or axis 1 (transposed dk/dv tile).
+    """
+    if ROW_AXIS == 0:
+        lse_b = lse[:, None]
+        delta_b = delta[:, None]
+    else:
+        lse_b = lse[None, :]
+        delta_b = delta[None, :]
+    if MODE == 1:
+        g = tl.exp2(s - lse_b)
+        w = tl.maximum(g - tl.exp2(-lse_b), 0.0)
+        sgn = tl.where(s > 0, 1.0, tl.where(s < 0, -1.0, 0.0))
+        ds = g * (tl.where(s > 0, dp, 0.0) - sgn * delta_b)
+        if MASKED:
+            w = tl.where(valid, w, 0.0)
+            ds = tl.where(valid, ds, 0.0)
+    else:
+        w = tl.exp2(s - lse_b)
+        if MODE == 2:
+            keep = s >= 0
+            if MASKED:
+                keep = keep & valid
+            w = tl.where(keep, w, 0.0)
+        elif MASKED:
+            w = tl.where(valid, w, 0.0)
+        ds = w * (dp - delta_b)
+    return w, ds
+
+
+@triton.jit
+def _dkdv_tiles(
+    dk, dv, k, v, q_base, do_base, lse_base, delta_base, offs_n, lo, hi, seqlen, scale_log2,
+    Q_STRIDE: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+    MODE: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr, BM: tl.constexpr,
+):
+    offs_d = tl.arange(0, BD)
+    mask_d = offs_d < D
+    for start in range(lo, hi, BM):
+        qm = start + tl.arange(0, BM)
+        mask_m = qm < seqlen
+        q_off = qm[:, None] * Q_STRIDE + offs_d[None, :]
+        q = tl.load(q_base + q_off, mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+        do = tl.load(do_base + q_off, mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+        lse = tl.load(lse_base + qm * HQ, mask=mask_m, other=float("inf"))
+        delta = tl.load(delta_base + qm * HQ, mask=mask_m, other=0.0)
+        sT = tl.dot(k, tl.trans(q), input_precision=PREC) * scale_log2       # [BN, BM]
+        dpT = tl.dot(v, tl.trans(do), input_precision=PREC)
+        valid = qm[None, :] >= offs_n[:, None]
+        wT, dsT = _weights_and_grad(sT, dpT, lse, delta, valid, MODE, MASKED, 1)
+        dv += tl.dot(wT.to(do.dtype), do, input_precision=PREC)
+        dk += tl.dot(dsT.to(q.dtype), q, input_precision=PREC)
+    return dk, dv
+
+
+@triton.jit
+def attn_bwd_dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV, CU, scale_log2, scale, T,
+    HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+    MODE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
+    BN: tl.constexpr, BM: tl.constexpr,
+):
+    blk = tl.program_id(0)
+    hk = tl.program_id(1)
+    bos, seqlen = _doc_bounds(CU, tl.program_id(2), T, IS_VARLEN)
+    if blk * BN >= seqlen:
+        return
+    offs_n = blk * BN + tl.arange(0, BN)
+    offs_d = tl.arange(0, BD)
+    kv_mask = (offs_n[:, None] < seqlen) & (offs_d[None, :] < D)
+    kv_off = bos * (HK * D) + hk * D + offs_n[:, None] * (HK * D) + offs_d[None, :]
+    k = tl.load(K + kv_off, mask=kv_mask, other=0.0)
+    v = tl.load(V + kv_off, mask=kv_mask, other=0.0)
+    dk = tl.zeros([BN, BD], dtype=tl.float32)
+    dv = tl.zeros([BN, BD], dtype=tl.float32)
+    diag = blk * BN
+    diag_hi = tl.minimum(diag + BN, seqlen)
+    for g in range(HQ // HK):
+        h = hk * (HQ // HK) + g
+        q_base = Q + bos * (HQ * D) + h * D
+        do_base = DO + bos * (HQ * D) + h * D
+        lse_base = LSE + bos * HQ + h
+        delta_base = DELTA + bos * HQ + h
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, offs_n, diag, diag_hi,
+                             seqlen, scale_log2, HQ * D, HQ, D, BD, MODE, True, PREC, BM)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, offs_n, diag_hi, seqlen,
+                             seqlen, scale_log2, HQ * D, HQ, D, BD, MODE, False, PREC, BM)
+    dk = dk * scale
+    tl.store(DK + kv_off, dk.to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(DV + kv_off, dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def _dq_tiles(
+    dq, q, do, lse, delta, k_base, v_base, offs_m, lo, hi, seqlen, scale_log2,
+    KV_STRIDE: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+    MODE: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr, BN: tl.constexpr,
+):
+    offs_d = tl.arange(0, BD)
+    mask_d = offs_d < D
+    for start in range(lo, hi, BN):
+        kn = start + tl.arange(0, BN)
+        kv_off = kn[:, None] * KV_STRIDE + offs_d[None, :]
+        if MASKED or D != BD:
+            kv_mask = (kn[:, None] < seqlen) & mask_d[None, :]
+            k = tl.load(k_base + kv_off, mask=kv_mask, other=0.0)
+            v = tl.load(v_base + kv_off, mask=kv_mask, other=0.0)
+        else:
+            k = tl.load(k_base + kv_off)
+            v = tl.load(v_base + kv_off)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
+        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+        valid = (offs_m[:, None] >= kn[None, :]) & (kn[None, :] < seqlen)
+        w, ds = _weights_and_grad(s, dp, lse, delta, valid, MODE, MASKED, 0)
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
+    return dq
+
+
+@triton.jit
+def attn_bwd_dq_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ, CU, scale_log2, scale, T,
+    HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+    MODE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr,
+):
+    blk = tl.program_id(0)
+    h = tl.program_id(1)
+    bos, seqlen = _doc_bounds(CU, tl.program_id(2), T, IS_VARLEN)
+    if blk * BM >= seqlen:
+        return
+    hk = h // (HQ // HK)
+    offs_m = blk * BM + tl.arange(0, BM)
+    offs_d = tl.arange(0, BD)
+    mask_m = offs_m < seqlen
+    q_mask = mask_m[:, None] & (offs_d[None, :] < D)
+    q_off = bos * (HQ * D) + h * D + offs_m[:, None] * (HQ * D) + offs_d[None, :]
+    q = tl.load(Q + q_off, mask=q_mask, other=0.0)
+    do = tl.load(DO + q_off, mask=q_mask, other=0.0)
+    lse = tl.load(LSE + (bos + offs_m) * HQ + h, mask=mask_m, other=float("inf"))
+    delta = tl.load(DELTA + (bos + offs_m) * HQ + h, mask=mask_m, other=0.0)
+    k_base = K + bos * (HK * D) + hk * D
+    v_base = V + bos * (HK * D) + hk * D
+    dq = tl.zeros([BM, BD], dtype=tl.float32)
+    diag = blk * BM
+    dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, offs_m, 0, diag, seqlen, scale_log2,
+                   HK * D, D, BD, MODE, False, PREC, BN)
+    hi = tl.minimum(diag + BM, seqlen)
+    dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, offs_m, diag, hi, seqlen, scale_log2,
+                   HK * D, D, BD, MODE, True, PREC, BN)
+    dq = dq * scale
+    tl.store(DQ + q_off, dq.to(DQ.dtype.element_ty), mask=q_mask)
