@@ -1,0 +1,25 @@
+"""flame: LLM pretraining on torchtitan for FLA and Hugging Face models, with host offload.
+
+Importing ``flame`` registers every model family it can train with transformers' Auto
+classes: FLA's (``import fla``), flame's own transformer and the ``custom_models`` package,
+so exported checkpoints load with ``AutoModelForCausalLM.from_pretrained`` after ``import flame``.
+"""
+
+import importlib
+
+__version__ = "0.1.0"
+
+
+def _register_model_families() -> None:
+    import fla  # noqa: F401  (registers FLA's configs and models)
+
+    # flame's transformer replaces FLA's "transformer" entry (which needs flash_attn)
+    for name in ("flame.models.transformer", "custom_models"):
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name != name:
+                raise
+
+
+_register_model_families()

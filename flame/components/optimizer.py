@@ -1,0 +1,59 @@
+"""AdamW/Adam with parameter groups, in torchtitan's OptimizersContainer (so DCP saves it)."""
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+from torchtitan.components.optimizer import OptimizersContainer
+
+
+def param_groups(model: nn.Module, weight_decay: float, no_decay: list[str]) -> list[dict]:
+    """Split trainable parameters into decayed and non-decayed groups.
+
+    1-D tensors (norm scales, biases) and names containing a ``no_decay`` substring
+    (embeddings by default) get no weight decay: decaying them only hurts.
+    """
+    decay, skip = [], []
+    patterns = [p for p in no_decay if p]
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if p.ndim < 2 or any(s in name.lower() for s in patterns):
+            skip.append(p)
+        else:
+            decay.append(p)
+    groups = []
+    if decay:
+        groups.append({"params": decay, "weight_decay": weight_decay})
+    if skip:
+        groups.append({"params": skip, "weight_decay": 0.0})
+    return groups
+
+
+class GroupedOptimizersContainer(OptimizersContainer):
+    """One optimizer per model part, each with decay/no-decay groups."""
+
+    def __init__(self, model_parts: list[nn.Module], optimizer_cls, kwargs: dict, no_decay: list[str]):
+        self.model_parts = model_parts
+        self.optimizers = []
+        all_groups = []
+        for model in model_parts:
+            groups = param_groups(model, kwargs["weight_decay"], no_decay)
+            self.optimizers.append(optimizer_cls(groups, **kwargs))
+            all_groups.extend(groups)
+        self._validate_length(len(model_parts))
+        # Optimizer.__init__ sets up hooks and param_groups that the LR scheduler drives
+        Optimizer.__init__(self, [dict(g) for g in all_groups], kwargs)
+
+
+def build_optimizers(model_parts: list[nn.Module], optimizer_config, device: torch.device) -> GroupedOptimizersContainer:
+    cls = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}[optimizer_config.name]
+    impl = optimizer_config.implementation
+    kwargs = {
+        "lr": optimizer_config.lr,
+        "betas": (optimizer_config.beta1, optimizer_config.beta2),
+        "eps": optimizer_config.eps,
+        "weight_decay": optimizer_config.weight_decay,
+        "fused": impl == "fused",
+        "foreach": impl == "foreach",
+    }
+    return GroupedOptimizersContainer(model_parts, cls, kwargs, optimizer_config.no_weight_decay)

@@ -1,0 +1,197 @@
+"""flame's extension of torchtitan's JobConfig.
+
+torchtitan's ``ConfigManager._merge_configs`` merges these dataclasses into its own
+(same-named sections merge field by field), so every torchtitan option keeps working and
+flame adds the spellings flame users already type (``training.batch_size``,
+``lr_scheduler.lr_min``, ``checkpoint.enable_checkpoint`` ...). Aliases are folded into the
+torchtitan field they stand for by ``flame.config.manager.resolve_aliases``.
+"""
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from flame.offload.config import Offload
+
+
+@dataclass
+class Job:
+    print_args: bool = False
+    """Print the fully resolved config at start-up (alias of ``job.print_config``)."""
+
+
+@dataclass
+class Model:
+    name: str = "flame"
+    """Name of the train spec; flame builds every model from ``model.config``."""
+
+    config: str = ""
+    """Path to a model JSON config (or a directory holding config.json), read with AutoConfig."""
+
+    tokenizer_path: str | None = None
+    """Path of a tokenizer loadable by ``AutoTokenizer.from_pretrained`` (local folder or cached hub id)."""
+
+    vocab_multiple: int = 64
+    """When the tokenizer has more tokens than the config's vocab_size, the vocab is raised to
+    ``len(tokenizer)`` rounded up to this multiple (keeps the embedding/head matmuls aligned)."""
+
+
+@dataclass
+class Optimizer:
+    no_weight_decay: list[str] = field(default_factory=lambda: ["bias", "norm", "embed"])
+    """Parameters whose name contains one of these substrings (or that are 1-D) get no weight
+    decay. Pass an empty string to decay everything."""
+
+
+@dataclass
+class LRScheduler:
+    lr_min: float | None = None
+    """Final learning rate as a fraction of the peak (alias of ``lr_scheduler.min_lr_factor``)."""
+
+
+@dataclass
+class Training:
+    batch_size: int | None = None
+    """Sequences per device per micro-batch (alias of ``training.local_batch_size``)."""
+
+    gradient_accumulation_steps: int = 1
+    """Micro-batches per optimizer step; the loss is normalized by the target tokens of the whole step."""
+
+    context_len: int = 2048
+    """Varlen only: documents longer than this are cut into pieces of at most this many tokens."""
+
+    varlen: bool = False
+    """Pack documents back to back and pass ``cu_seqlens`` so attention never crosses documents."""
+
+    skip_nan_inf: bool = False
+    """Skip the optimizer step when the gradient norm is NaN/Inf (the LR schedule does not advance)."""
+
+    compile: bool = False
+    """Compile every block with torch.compile (alias of ``compile.enable``)."""
+
+    seed: int | None = None
+    """Random seed for model init and data order (alias of ``debug.seed``)."""
+
+    deterministic: bool = False
+    """Use deterministic algorithms (alias of ``debug.deterministic``)."""
+
+    dataset: str = "flame/assets/sample_corpus"
+    """Comma-separated data sources: hub ids (from the local HF cache), local dirs, or a
+    preprocessed token folder."""
+
+    dataset_name: str | None = None
+    """Comma-separated config names, one per source (empty entries allowed)."""
+
+    dataset_split: str | None = None
+    """Comma-separated splits, one per source (default ``train``)."""
+
+    data_dir: str | None = None
+    """Comma-separated ``data_dir`` arguments, one per source."""
+
+    data_files: str | None = None
+    """Comma-separated file globs, one per source (parquet, json/jsonl, txt, arrow)."""
+
+    data_probs: list[float] | None = None
+    """Sampling probabilities of the sources, comma-separated (normalized; must be positive)."""
+
+    mix_by: Literal["documents", "tokens"] = "documents"
+    """Whether ``data_probs`` are probabilities of drawing a document or shares of tokens."""
+
+    text_column: str | None = None
+    """Column holding the text; default: ``text`` or ``content``, whichever exists."""
+
+    streaming: bool = False
+    """Stream the sources instead of loading them map-style."""
+
+    shuffle_buffer_size: int = 10000
+    """Streaming only: size of the resumable shuffle buffer, in documents."""
+
+    boundary_policy: Literal["auto", "bos", "eos", "bos_eos", "none"] = "auto"
+    """Tokens added around every document: ``auto`` adds BOS when the tokenizer has one and
+    always EOS, so tokenizers without BOS still separate documents; ``none`` adds nothing
+    (for pre-tokenized ids that already carry them). Document boundaries for varlen never
+    depend on these tokens."""
+
+    mask_cross_document_labels: bool = False
+    """Ignore (label -100) the prediction that crosses from one document into the next."""
+
+    num_workers: int = 0
+    """DataLoader worker processes that tokenize and pack."""
+
+    prefetch_factor: int | None = None
+    """Batches each worker prepares ahead (only with num_workers > 0)."""
+
+    pin_memory: bool = False
+    """Pin the batches in host memory for faster copies to the GPU."""
+
+    persistent_workers: bool = False
+    """Keep the DataLoader workers alive between epochs."""
+
+    data_parallel_replicate_degree: int | None = None
+    """Alias of ``parallelism.data_parallel_replicate_degree``."""
+
+    data_parallel_shard_degree: int | None = None
+    """Alias of ``parallelism.data_parallel_shard_degree``."""
+
+    tensor_parallel_degree: int | None = None
+    """Alias of ``parallelism.tensor_parallel_degree``."""
+
+
+@dataclass
+class Checkpoint:
+    enable_checkpoint: bool = False
+    """Save checkpoints (alias of ``checkpoint.enable``)."""
+
+    last_save_model_only: bool = False
+    """Save only the model weights at the last step (then the run cannot be resumed from it)."""
+
+    last_save_model_weights_only: bool = False
+    """Alias of ``checkpoint.last_save_model_only``."""
+
+    export_hf: bool = True
+    """Write a Hugging Face folder (safetensors + config + tokenizer) of the final weights."""
+
+    export_hf_every_checkpoint: bool = False
+    """Also export a Hugging Face folder at every checkpoint."""
+
+    hf_upload_enabled: bool = False
+    """Upload the exported folder to the Hugging Face Hub (off the training path)."""
+
+    hf_repo_base_name: str | None = None
+    """Hub repository name for ``hf_upload_enabled``."""
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: Literal["selective", "full", "memory_budget", "none"] = "none"
+    """``none``; ``full`` recomputes every block; ``selective`` recomputes every N-th block
+    (``selective_ac_option`` = N) or saves matmul outputs only (``op``)."""
+
+
+@dataclass
+class Validation:
+    interval: int | None = None
+    """Validate every this many steps (alias of ``validation.freq``)."""
+
+
+@dataclass
+class Probes:
+    interval: int = 0
+    """Run the research probes (attention sinks, sparsity, massive activations, kurtosis)
+    on one held-out batch every this many steps; 0 disables them."""
+
+    sink_threshold: float = 0.3
+    """A head counts as a sink when its mean attention to the first token exceeds this."""
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    training: Training = field(default_factory=Training)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    validation: Validation = field(default_factory=Validation)
+    probes: Probes = field(default_factory=Probes)
+    offload: Offload = field(default_factory=Offload)

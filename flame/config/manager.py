@@ -1,0 +1,254 @@
+"""Parse ``--job.config_file X.toml`` + ``--section.key value`` into flame's JobConfig.
+
+torchtitan's ConfigManager does the TOML -> dataclass -> tyro CLI merge; flame adds:
+its own JobConfig extension merged in automatically, one-line errors naming the bad key
+with the closest valid one, comma-separated float lists, and alias folding.
+"""
+
+import difflib
+import os
+import sys
+import types
+import typing
+from dataclasses import fields, is_dataclass
+from typing import Any, Literal
+
+import tyro
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # python < 3.11
+    import tomli as tomllib
+
+from torchtitan.config import ConfigManager
+from torchtitan.config.manager import custom_registry
+
+from flame.config import job_config as flame_job_config
+from flame.errors import ConfigError
+
+
+def _register_float_list_rule(registry: tyro.constructors.ConstructorRegistry) -> None:
+    # flame users write `--training.data_probs 0.6,0.4`; tyro would want space-separated floats.
+    @registry.primitive_rule
+    def list_float_rule(type_info: tyro.constructors.PrimitiveTypeInfo):
+        if type_info.type != list[float]:
+            return None
+        return tyro.constructors.PrimitiveConstructorSpec(
+            nargs=1,
+            metavar="A,B,...",
+            instance_from_str=lambda args: [float(x) for x in args[0].split(",") if x],
+            is_instance=lambda inst: isinstance(inst, list)
+            and all(isinstance(x, (int, float)) for x in inst),
+            str_from_instance=lambda inst: [",".join(str(x) for x in inst)],
+        )
+
+
+_register_float_list_rule(custom_registry)
+
+
+def flat_fields(cls, prefix: str = "") -> dict[str, Any]:
+    """Map every leaf option ``section.key`` (and nested ``a.b.c``) to its type."""
+    out: dict[str, Any] = {}
+    for f in fields(cls):
+        name = f"{prefix}{f.name}"
+        if is_dataclass(f.type):
+            out.update(flat_fields(f.type, name + "."))
+        else:
+            out[name] = f.type
+    return out
+
+
+def _closest(key: str, valid: list[str]) -> str:
+    match = difflib.get_close_matches(key, valid, n=1, cutoff=0.0)
+    return f"; did you mean '{match[0]}'?" if match else ""
+
+
+def _is_bool(tp) -> bool:
+    return tp is bool or (typing.get_origin(tp) in (typing.Union, types.UnionType) and bool in typing.get_args(tp))
+
+
+def _check_value(key: str, tp, value: str) -> None:
+    """Reject a CLI value that cannot become the option's type, in one line."""
+    args = [a for a in typing.get_args(tp) if a is not type(None)] if typing.get_origin(tp) in (typing.Union, types.UnionType) else [tp]
+    for a in args:
+        try:
+            if a is int:
+                int(value)
+            elif a is float:
+                float(value)
+            elif typing.get_origin(a) is Literal:
+                if value not in [str(x) for x in typing.get_args(a)]:
+                    continue
+            elif a == list[float]:
+                [float(x) for x in value.split(",") if x]
+            return
+        except ValueError:
+            continue
+    if typing.get_origin(tp) is Literal or any(typing.get_origin(a) is Literal for a in args):
+        choices = [str(x) for a in args for x in typing.get_args(a)]
+        raise ConfigError(f"--{key} {value!r}: must be one of {', '.join(choices)}")
+    raise ConfigError(f"--{key} {value!r}: expected {getattr(tp, '__name__', tp)}")
+
+
+class FlameConfigManager(ConfigManager):
+    """torchtitan's ConfigManager with flame's extension always merged in."""
+
+    def __init__(self):
+        merged = ConfigManager._merge_configs(ConfigManager().config_cls, flame_job_config.JobConfig)
+        super().__init__(merged)
+        self.valid = flat_fields(merged)
+
+    # -- CLI ---------------------------------------------------------------------------
+    def _check_cli(self, args: list[str]) -> None:
+        keys = sorted(self.valid)
+        i = 0
+        while i < len(args):
+            arg = args[i]
+            i += 1
+            if arg in ("-h", "--help"):
+                continue
+            if not arg.startswith("--"):
+                raise ConfigError(f"unexpected argument {arg!r}: options are --section.key value")
+            key, eq, value = arg[2:].partition("=")
+            key = key.replace("-", "_")
+            negated = key.split(".")[-1].startswith("no_") and key not in self.valid
+            if negated:
+                parts = key.split(".")
+                key = ".".join(parts[:-1] + [parts[-1][3:]])
+            if key not in self.valid:
+                raise ConfigError(f"unknown option '--{arg[2:].partition('=')[0]}'{_closest(key, keys)}")
+            tp = self.valid[key]
+            if _is_bool(tp) and not eq:
+                continue  # a flag
+            if not eq:
+                if i >= len(args):
+                    raise ConfigError(f"--{key}: missing value")
+                value = args[i]
+                i += 1
+            if not _is_bool(tp):
+                _check_value(key, tp, value)
+
+    # -- TOML --------------------------------------------------------------------------
+    def _maybe_load_toml(self, args):
+        path = None
+        for i, arg in enumerate(args):
+            k, eq, v = arg.partition("=")
+            if k in ("--job.config_file", "--job.config-file"):
+                path = v if eq else (args[i + 1] if i + 1 < len(args) else None)
+        if path is None:
+            return None
+        if not os.path.isfile(path):
+            raise ConfigError(f"job.config_file {path!r}: no such file")
+        try:
+            with open(path, "rb") as f:
+                return tomllib.load(f)
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise ConfigError(f"job.config_file {path!r}: {e}") from None
+
+    def _dict_to_dataclass(self, cls, data, prefix: str = ""):
+        if not is_dataclass(cls):
+            return data
+        names = {f.name: f for f in fields(cls)}
+        for key in data:
+            if key not in names:
+                full = f"{prefix}{key}"
+                raise ConfigError(f"unknown TOML key '{full}'{_closest(full, sorted(self.valid))}")
+        kwargs = {}
+        for name, value in data.items():
+            tp = names[name].type
+            if is_dataclass(tp):
+                if not isinstance(value, dict):
+                    raise ConfigError(f"TOML key '{prefix}{name}' must be a table [{prefix}{name}]")
+                kwargs[name] = self._dict_to_dataclass(tp, value, f"{prefix}{name}.")
+            else:
+                kwargs[name] = value
+        return cls(**kwargs)
+
+    def _maybe_add_custom_config(self, args, toml_values):
+        # flame's own extension is already merged; a user module still stacks on top.
+        return super()._maybe_add_custom_config(args, toml_values)
+
+    def _validate_config(self) -> None:
+        # torchtitan's version maps tokenizer_path onto hf_assets_path with warnings and
+        # probes old torchtitan asset paths; flame reads model.tokenizer_path itself.
+        pass
+
+    def parse_args(self, args: list[str] | None = None):
+        args = list(sys.argv[1:] if args is None else args)
+        self._check_cli(args)
+        config = super().parse_args(args)
+        resolve_aliases(config)
+        validate(config)
+        return config
+
+
+def resolve_aliases(cfg) -> None:
+    """Fold flame's spellings into the torchtitan fields the library code reads."""
+    t = cfg.training
+    if cfg.job.print_args:
+        cfg.job.print_config = True
+    if t.batch_size is not None:
+        t.local_batch_size = t.batch_size
+    t.batch_size = t.local_batch_size
+    if cfg.lr_scheduler.lr_min is not None:
+        cfg.lr_scheduler.min_lr_factor = cfg.lr_scheduler.lr_min
+    cfg.lr_scheduler.lr_min = cfg.lr_scheduler.min_lr_factor
+    if t.compile:
+        cfg.compile.enable = True
+    if t.seed is not None:
+        cfg.debug.seed = t.seed
+    if t.deterministic:
+        cfg.debug.deterministic = True
+    for name in ("data_parallel_replicate_degree", "data_parallel_shard_degree", "tensor_parallel_degree"):
+        value = getattr(t, name)
+        if value is not None:
+            setattr(cfg.parallelism, name, value)
+    ck = cfg.checkpoint
+    if ck.enable_checkpoint:
+        ck.enable = True
+    if ck.last_save_model_weights_only:
+        ck.last_save_model_only = True
+    if cfg.validation.interval is not None:
+        cfg.validation.freq = cfg.validation.interval
+    dl = t.dataloader
+    dl.num_workers, dl.pin_memory, dl.persistent_workers = t.num_workers, t.pin_memory, t.persistent_workers
+    dl.prefetch_factor = t.prefetch_factor if t.num_workers > 0 else None
+
+
+def validate(cfg) -> None:
+    """Checks that need no model or devices; each names the bad value."""
+    t = cfg.training
+    if not cfg.model.config:
+        raise ConfigError("model.config is required: path to a model JSON config")
+    if not os.path.exists(cfg.model.config):
+        raise ConfigError(f"model.config {cfg.model.config!r}: no such file")
+    if t.local_batch_size < 1:
+        raise ConfigError(f"training.batch_size {t.local_batch_size}: must be >= 1")
+    if t.seq_len < 2:
+        raise ConfigError(f"training.seq_len {t.seq_len}: must be >= 2")
+    if t.gradient_accumulation_steps < 1:
+        raise ConfigError(f"training.gradient_accumulation_steps {t.gradient_accumulation_steps}: must be >= 1")
+    if t.varlen and not 1 <= t.context_len <= t.seq_len:
+        raise ConfigError(f"training.context_len {t.context_len}: must be in [1, training.seq_len={t.seq_len}] with varlen")
+    if t.steps < 0:
+        raise ConfigError(f"training.steps {t.steps}: must be >= 0")
+    if t.max_norm < 0:
+        raise ConfigError(f"training.max_norm {t.max_norm}: must be >= 0")
+    if t.num_workers < 0:
+        raise ConfigError(f"training.num_workers {t.num_workers}: must be >= 0")
+    if not 0.0 <= cfg.lr_scheduler.min_lr_factor <= 1.0:
+        raise ConfigError(f"lr_scheduler.lr_min {cfg.lr_scheduler.min_lr_factor}: must be in [0, 1] (a fraction of the peak lr)")
+    if cfg.lr_scheduler.warmup_steps < 0:
+        raise ConfigError(f"lr_scheduler.warmup_steps {cfg.lr_scheduler.warmup_steps}: must be >= 0")
+    if cfg.lr_scheduler.decay_ratio is not None and not 0.0 <= cfg.lr_scheduler.decay_ratio <= 1.0:
+        raise ConfigError(f"lr_scheduler.decay_ratio {cfg.lr_scheduler.decay_ratio}: must be in [0, 1]")
+    if cfg.optimizer.lr <= 0:
+        raise ConfigError(f"optimizer.lr {cfg.optimizer.lr}: must be > 0")
+    if cfg.optimizer.name not in ("AdamW", "Adam"):
+        raise ConfigError(f"optimizer.name {cfg.optimizer.name!r}: supported are AdamW, Adam")
+    if cfg.checkpoint.keep_latest_k < 0:
+        raise ConfigError(f"checkpoint.keep_latest_k {cfg.checkpoint.keep_latest_k}: must be >= 0")
+    if cfg.checkpoint.enable and cfg.checkpoint.interval < 1:
+        raise ConfigError(f"checkpoint.interval {cfg.checkpoint.interval}: must be >= 1")
+    if cfg.metrics.log_freq < 1:
+        raise ConfigError(f"metrics.log_freq {cfg.metrics.log_freq}: must be >= 1")

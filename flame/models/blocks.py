@@ -1,0 +1,36 @@
+"""Find the repeated decoder blocks of any HF/FLA causal LM.
+
+Activation checkpointing, per-block compile, FSDP2 wrapping and the offload engine all work
+block by block; models name their block list differently (``model.layers``,
+``backbone.layers``, ``transformer.h``), so the list is found structurally: the largest
+``nn.ModuleList`` whose children share one class.
+"""
+
+from torch import nn
+
+
+def find_block_list(model: nn.Module) -> tuple[nn.Module, str, nn.ModuleList]:
+    """Return ``(parent, attribute, blocks)`` for the model's decoder block list."""
+    best = None
+    for parent_name, parent in model.named_modules():
+        for attr, child in parent.named_children():
+            if not isinstance(child, nn.ModuleList) or len(child) == 0:
+                continue
+            # wrapped blocks (checkpoint/compile) still count by their inner class
+            classes = {type(_unwrap(b)) for b in child}
+            if len(classes) > 2:
+                continue
+            size = sum(p.numel() for p in child.parameters())
+            if best is None or size > best[0]:
+                best = (size, parent, attr, child)
+    if best is None:
+        raise ValueError(f"{type(model).__name__}: no nn.ModuleList of decoder blocks found")
+    return best[1], best[2], best[3]
+
+
+def _unwrap(module: nn.Module) -> nn.Module:
+    while True:
+        inner = getattr(module, "_checkpoint_wrapped_module", None) or getattr(module, "_orig_mod", None)
+        if inner is None:
+            return module
+        module = inner

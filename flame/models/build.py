@@ -1,0 +1,93 @@
+"""Build a causal LM from a JSON config on the meta device, then materialize and init it.
+
+The order matters for large models: meta build -> parallelize (shard) -> ``to_empty`` on the
+device -> the model's own ``_init_weights`` run on the (possibly sharded) parameters.
+"""
+
+import json
+import math
+import os
+
+import torch
+from torch import nn
+
+from flame.errors import ConfigError
+
+
+def register_model_families() -> None:
+    """Make FLA, flame's own and ``custom_models`` architectures known to the Auto classes."""
+    import flame  # noqa: F401  (its __init__ registers everything)
+
+
+def load_model_config(path: str):
+    from transformers import AutoConfig
+
+    register_model_families()
+    if not os.path.exists(path):
+        raise ConfigError(f"model.config {path!r}: no such file")
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, KeyError, json.JSONDecodeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"model.config {path!r}: {first}") from None
+
+
+def fit_vocab(model_config, tokenizer_len: int, multiple: int) -> int:
+    """Raise vocab_size to cover every tokenizer id, rounded up to ``multiple``; never shrink it."""
+    current = int(model_config.vocab_size)
+    if tokenizer_len <= current:
+        return current
+    new = int(math.ceil(tokenizer_len / multiple) * multiple) if multiple > 1 else tokenizer_len
+    model_config.vocab_size = new
+    return new
+
+
+def build_meta_model(model_config) -> nn.Module:
+    """The model with every parameter on the meta device, in float32 master precision."""
+    from transformers import AutoModelForCausalLM
+
+    # transformers 5 honours `torch_dtype`/`dtype` from the JSON; master weights are fp32.
+    model_config.dtype = torch.float32
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
+    except ImportError as e:
+        raise ConfigError(f"model type {model_config.model_type!r}: {str(e).splitlines()[0]}") from None
+    return model
+
+
+def _clear_init_marks(model: nn.Module) -> None:
+    # transformers marks modules built on meta as initialized; the real init must run again.
+    for module in model.modules():
+        if hasattr(module, "_is_hf_initialized"):
+            module._is_hf_initialized = False
+        for t in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)):
+            if hasattr(t, "_is_hf_initialized"):
+                t._is_hf_initialized = False
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module, seed: int | None = None) -> None:
+    """Run the model's own initialization on materialized (possibly sharded) parameters."""
+    _clear_init_marks(model)
+    if seed is not None:
+        torch.manual_seed(seed)
+    if hasattr(model, "init_weights"):
+        model.init_weights()
+    else:  # plain nn.Module from custom code
+        for m in model.modules():
+            if hasattr(m, "reset_parameters"):
+                m.reset_parameters()
+
+
+def count_params(model: nn.Module, exclude_embeddings: bool = False) -> int:
+    total = 0
+    seen = set()
+    for name, p in model.named_parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        if exclude_embeddings and isinstance(model.get_submodule(name.rsplit(".", 1)[0]), nn.Embedding):
+            continue
+        total += p.numel()
+    return total

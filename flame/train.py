@@ -1,0 +1,329 @@
+"""flame's training job: ``torchrun -m flame.train --job.config_file X.toml [--section.key value]``.
+
+The training step (``Trainer.train_step``) reads top to bottom: fetch the micro-batches of
+one optimizer step, count their target tokens globally, forward/backward each with the loss
+normalized by that count, clip, step (or skip on NaN/Inf), log.
+"""
+
+import contextlib
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.checkpoint.stateful import Stateful
+from torchtitan.components.checkpoint import CheckpointManager
+from torchtitan.components.lr_scheduler import build_lr_schedulers
+from torchtitan.config import TORCH_DTYPE_MAP
+from torchtitan.distributed import ParallelDims
+from torchtitan.distributed import utils as dist_utils
+from torchtitan.tools.logging import init_logger, logger
+
+from flame.components.loss import IGNORE_INDEX, cross_entropy_sum
+from flame.components.metrics import MetricsLogger
+from flame.components.optimizer import build_optimizers
+from flame.config.manager import FlameConfigManager
+from flame.distributed.device import init_process_group, local_device
+from flame.distributed.parallelize import parallelize
+from flame.errors import ConfigError
+from flame.models import build as model_build
+
+
+def _check_dump_folder(path: str) -> None:
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".write_test_{os.getpid()}")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise ConfigError(f"job.dump_folder {path!r}: not writable ({e.strerror})") from None
+
+
+def _parallel_dims(cfg, world_size: int) -> ParallelDims:
+    p = cfg.parallelism
+    degrees = dict(
+        dp_shard=p.data_parallel_shard_degree,
+        dp_replicate=p.data_parallel_replicate_degree,
+        cp=p.context_parallel_degree,
+        tp=p.tensor_parallel_degree,
+        pp=p.pipeline_parallel_degree,
+        ep=p.expert_parallel_degree,
+        etp=p.expert_tensor_parallel_degree,
+    )
+    if degrees["pp"] > 1 or degrees["cp"] > 1 or degrees["ep"] > 1:
+        raise ConfigError("pipeline/context/expert parallelism are not supported by flame yet (degree > 1 given)")
+    try:
+        return ParallelDims(**degrees, world_size=world_size)
+    except AssertionError:
+        raise ConfigError(
+            f"parallel degrees dp_replicate={degrees['dp_replicate']} x dp_shard={degrees['dp_shard']} x "
+            f"tp={degrees['tp']} do not multiply to the world size {world_size}"
+        ) from None
+
+
+class Trainer(Stateful):
+    def __init__(self, cfg):
+        self.cfg = cfg
+        t = cfg.training
+        _check_dump_folder(cfg.job.dump_folder)
+        self.device = local_device()
+        world_size = init_process_group(cfg.comm, cfg.job.dump_folder)
+        self.parallel_dims = pd = _parallel_dims(cfg, world_size)
+        if pd.dp_enabled:
+            batch_mesh = pd.get_mesh("batch")
+            self.dp_degree, self.dp_rank = batch_mesh.size(), batch_mesh.get_local_rank()
+        else:
+            self.dp_degree, self.dp_rank = 1, 0
+        seed = cfg.debug.seed if cfg.debug.seed is not None else 0
+        torch.manual_seed(seed)
+        dist_utils.set_determinism(pd, self.device, cfg.debug, distinct_seed_mesh_dims=["pp"])
+
+        from flame.data import build_dataloader, build_tokenizer
+
+        self.tokenizer = build_tokenizer(cfg)
+        self.model_config = model_build.load_model_config(cfg.model.config)
+        vocab = model_build.fit_vocab(self.model_config, len(self.tokenizer), cfg.model.vocab_multiple)
+        self.dataloader = build_dataloader(cfg, self.tokenizer, self.dp_rank, self.dp_degree)
+        self.val_loader = (
+            build_dataloader(cfg, self.tokenizer, self.dp_rank, self.dp_degree, split="validation")
+            if cfg.validation.enable
+            else None
+        )
+
+        model = model_build.build_meta_model(self.model_config)
+        self.n_params = model_build.count_params(model)
+        logger.info(
+            f"Model {self.model_config.model_type} from {cfg.model.config}: {self.n_params:,} parameters, vocab {vocab}"
+        )
+        if self.device.type == "cpu":
+            from flame.models.fla_cpu import enable_cpu_fallbacks
+
+            enable_cpu_fallbacks()
+
+        model, self.offload = parallelize(model, pd, cfg, self.device)
+        if self.offload is not None:
+            logger.info(self.offload.describe())
+            self.offload.materialize(lambda m: model_build.init_weights(m, seed))
+        else:
+            model.to_empty(device=self.device)
+            model_build.init_weights(model, seed)
+        model.train()
+        self.model = model
+
+        # DDP (replicate) averages gradients; the loss is already normalized by global tokens.
+        self.loss_scale = pd.dp_replicate if (pd.dp_replicate_enabled and not pd.fsdp_enabled) else 1
+        self.amp = (
+            dist_utils.maybe_enable_amp(pd, t.mixed_precision_param, self.device.type)
+            if self.offload is None and TORCH_DTYPE_MAP[t.mixed_precision_param] != torch.float32
+            else contextlib.nullcontext()
+        )
+
+        if self.offload is not None:
+            self.optimizers = self.offload.optimizers()
+        else:
+            self.optimizers = build_optimizers([model], cfg.optimizer, self.device)
+        self.lr_schedulers = build_lr_schedulers(self.optimizers, cfg.lr_scheduler, t.steps)
+        self.step = 0
+        self.ntokens_seen = 0
+        self.skipped_steps = 0
+        self.checkpointer = CheckpointManager(
+            dataloader=self.dataloader,
+            model_parts=[model],
+            optimizers=self.optimizers,
+            lr_schedulers=self.lr_schedulers,
+            states={"train_state": self},
+            checkpoint_config=cfg.checkpoint,
+            sd_adapter=None,
+            base_folder=cfg.job.dump_folder,
+        )
+
+        from flame.models.flops import flops_per_token
+
+        ctx = t.context_len if t.varlen else t.seq_len
+        self.flops_per_token = flops_per_token(self.model_config, t.seq_len, ctx)["total"]
+        peak = None
+        if self.device.type == "cuda":
+            from torchtitan.tools.utils import get_peak_flops
+
+            peak = get_peak_flops(torch.cuda.get_device_name(self.device))
+        self.metrics = MetricsLogger(cfg, pd, self.device, self.flops_per_token, peak, t.steps)
+        if torch.distributed.get_rank() == 0:
+            self._write_resolved_config()
+
+    # -- checkpointed state --------------------------------------------------------------
+    def state_dict(self):
+        return {"step": self.step, "ntokens_seen": self.ntokens_seen, "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state_dict):
+        self.step = int(state_dict["step"])
+        self.ntokens_seen = int(state_dict["ntokens_seen"])
+        self.skipped_steps = int(state_dict.get("skipped_steps", 0))
+
+    def _write_resolved_config(self) -> None:
+        path = os.path.join(self.cfg.job.dump_folder, "job_config.json")
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.cfg.to_dict(), f, indent=2, default=str)
+        os.replace(tmp, path)
+
+    # -- one optimizer step --------------------------------------------------------------
+    def forward_loss_sum(self, batch: dict) -> torch.Tensor:
+        """Sum of the token losses of one micro-batch (the caller normalizes)."""
+        labels = batch["labels"]
+        inputs = {"input_ids": batch["input_ids"]}
+        if "cu_seqlens" in batch:
+            # packed documents: one row of B*T tokens, boundaries in cu_seqlens (FLA's form)
+            inputs = {
+                "input_ids": batch["input_ids"].reshape(1, -1),
+                "position_ids": batch["position_ids"].reshape(1, -1),
+                "cu_seqlens": batch["cu_seqlens"],
+            }
+        with self.amp:
+            logits = self.model(**inputs, use_cache=False).logits
+        return cross_entropy_sum(logits, labels.reshape(logits.shape[:-1]))
+
+    def _to_device(self, batch: dict) -> dict:
+        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items() if not k.startswith("_")}
+
+    def next_batches(self, data_iter) -> list[dict]:
+        start = time.perf_counter()
+        batches = [next(data_iter) for _ in range(self.cfg.training.gradient_accumulation_steps)]
+        self.metrics.data_time_since += time.perf_counter() - start
+        return batches
+
+    def train_step(self, data_iter) -> None:
+        cfg, pd = self.cfg, self.parallel_dims
+        lr = self.lr_schedulers.schedulers[0].get_last_lr()[0]
+        batches = [self._to_device(b) for b in self.next_batches(data_iter)]
+
+        # normalize by the target tokens of the whole optimizer step, over all DP ranks
+        local_tokens = sum((b["labels"] != IGNORE_INDEX).sum() for b in batches)
+        global_tokens = (
+            dist_utils.dist_sum(local_tokens.float(), pd.get_mesh("batch")) if pd.dp_enabled else local_tokens.float()
+        )
+        loss_total = torch.zeros((), device=self.device)
+        for batch in batches:
+            loss = self.forward_loss_sum(batch) / global_tokens.clamp(min=1)
+            (loss * self.loss_scale).backward()
+            loss_total += loss.detach()
+        step_tokens = sum(b["input_ids"].numel() for b in batches)
+        self.ntokens_seen += step_tokens
+        self.metrics.tokens_since += step_tokens
+
+        if self.offload is not None:
+            grad_norm, skipped = self.offload.optimizer_step(cfg.training.max_norm, cfg.training.skip_nan_inf)
+        else:
+            grad_norm, skipped = self.clip_and_step()
+        if skipped:
+            self.skipped_steps += 1
+            self.metrics.skipped_steps = self.skipped_steps
+            logger.warning(f"step {self.step}: gradient norm is {grad_norm}; optimizer step skipped")
+        else:
+            self.lr_schedulers.step()  # a skipped step does not advance the schedule
+        self.optimizers.zero_grad()
+
+        if self.metrics.should_log(self.step):
+            loss_value = (dist_utils.dist_sum(loss_total, pd.get_mesh("loss")) if pd.dp_cp_enabled else loss_total).item()
+            self.metrics.log(self.step, loss_value, float(grad_norm), lr, {"tokens_seen": self.ntokens_seen * self.dp_degree})
+
+    def clip_and_step(self) -> tuple[torch.Tensor, bool]:
+        t, pd = self.cfg.training, self.parallel_dims
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if t.max_norm > 0:
+            grad_norm = dist_utils.clip_grad_norm_(params, t.max_norm, foreach=True, pp_mesh=None)
+        else:
+            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+            if hasattr(grad_norm, "full_tensor"):
+                grad_norm = grad_norm.full_tensor()
+        if t.skip_nan_inf and not torch.isfinite(grad_norm).item():
+            return grad_norm, True
+        self.checkpointer.maybe_wait_for_staging()
+        self.optimizers.step()
+        return grad_norm, False
+
+    # -- validation ----------------------------------------------------------------------
+    @torch.no_grad()
+    def validate(self) -> None:
+        self.model.eval()
+        loss_sum = torch.zeros((), device=self.device)
+        tokens = torch.zeros((), device=self.device)
+        it = iter(self.val_loader)
+        steps = self.cfg.validation.steps if self.cfg.validation.steps > 0 else 1
+        for _ in range(steps):
+            batch = self._to_device(next(it))
+            loss_sum += self.forward_loss_sum(batch)
+            tokens += (batch["labels"] != IGNORE_INDEX).sum()
+        if self.parallel_dims.dp_enabled:
+            mesh = self.parallel_dims.get_mesh("batch")
+            loss_sum, tokens = dist_utils.dist_sum(loss_sum, mesh), dist_utils.dist_sum(tokens, mesh)
+        loss = (loss_sum / tokens.clamp(min=1)).item()
+        self.metrics.log_scalars("validation", {"loss": loss, "perplexity": float(torch.exp(torch.tensor(loss)))}, self.step)
+        self.model.train()
+
+    # -- the loop ------------------------------------------------------------------------
+    def train(self) -> None:
+        cfg = self.cfg
+        self.checkpointer.load(step=cfg.checkpoint.load_step)
+        if cfg.checkpoint.create_seed_checkpoint:
+            self.checkpointer.save(curr_step=0, last_step=True)
+            logger.info("Created seed checkpoint")
+            return
+        logger.info(
+            f"Training from step {self.step + 1} to {cfg.training.steps}: batch {cfg.training.local_batch_size} x "
+            f"seq {cfg.training.seq_len} x accumulation {cfg.training.gradient_accumulation_steps} x dp {self.dp_degree}"
+        )
+        self.metrics.reset_clock(self.step)
+        data_iter = iter(self.dataloader)
+        from torchtitan.tools.profiling import maybe_enable_profiling
+
+        with maybe_enable_profiling(cfg.profiling, global_step=self.step, base_folder=cfg.job.dump_folder) as prof:
+            while self.step < cfg.training.steps:
+                self.step += 1
+                self.train_step(data_iter)
+                self.checkpointer.save(self.step, last_step=self.step == cfg.training.steps)
+                if self.val_loader is not None and self.step % cfg.validation.freq == 0:
+                    self.validate()
+                if prof:
+                    prof.step()
+                if self.step == 1:
+                    dist_utils.set_pg_timeouts(timedelta(seconds=cfg.comm.train_timeout_seconds), self.parallel_dims)
+        self.export_hf()
+
+    def export_hf(self) -> None:
+        if not self.cfg.checkpoint.export_hf:
+            return
+        from flame.utils.hf_export import export_trained_model
+
+        export_trained_model(self)
+
+    def close(self) -> None:
+        if getattr(self, "checkpointer", None) is not None:
+            self.checkpointer.close()
+        if getattr(self, "metrics", None) is not None:
+            self.metrics.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    init_logger()
+    trainer = None
+    try:
+        cfg = FlameConfigManager().parse_args(argv)
+        trainer = Trainer(cfg)
+        trainer.train()
+    except ConfigError as e:
+        print(f"flame: error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if trainer is not None:
+            trainer.close()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

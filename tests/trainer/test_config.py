@@ -1,0 +1,101 @@
+"""Config parsing: flame's and the softpick paper's command lines, aliases, bad keys."""
+
+import os
+
+import pytest
+
+from flame.config.manager import FlameConfigManager
+from flame.errors import ConfigError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TOML = os.path.join(ROOT, "flame/models/fla.toml")
+CONFIG = os.path.join(ROOT, "tests/assets/tiny_llama.json")
+
+
+def parse(*args):
+    return FlameConfigManager().parse_args(["--job.config_file", TOML, "--model.config", CONFIG, *args])
+
+
+def test_flame_readme_command():
+    cfg = parse(
+        "--job.dump_folder", "exp/transformer-340M", "--model.tokenizer_path", "flame/assets/tokenizer",
+        "--optimizer.name", "AdamW", "--optimizer.eps", "1e-15", "--optimizer.lr", "1e-3",
+        "--lr_scheduler.warmup_steps", "1024", "--lr_scheduler.lr_min", "0.1", "--lr_scheduler.decay_type", "cosine",
+        "--training.batch_size", "1", "--training.seq_len", "65536", "--training.context_len", "4096",
+        "--training.varlen", "--training.gradient_accumulation_steps", "1", "--training.steps", "20480",
+        "--training.max_norm", "1.0", "--training.skip_nan_inf", "--training.dataset", "HuggingFaceFW/fineweb-edu",
+        "--training.dataset_name", "sample-10BT", "--training.dataset_split", "train", "--training.streaming",
+        "--training.num_workers", "32", "--training.prefetch_factor", "2", "--training.seed", "42",
+        "--training.compile", "--checkpoint.interval", "2048", "--checkpoint.load_step", "-1",
+        "--checkpoint.keep_latest_k", "2", "--metrics.log_freq", "1",
+    )
+    t = cfg.training
+    assert (t.local_batch_size, t.seq_len, t.context_len, t.varlen, t.streaming) == (1, 65536, 4096, True, True)
+    assert cfg.compile.enable and cfg.debug.seed == 42 and t.skip_nan_inf
+    assert cfg.lr_scheduler.min_lr_factor == pytest.approx(0.1)
+    assert t.dataloader.num_workers == 32 and t.dataloader.prefetch_factor == 2
+    assert cfg.checkpoint.keep_latest_k == 2 and cfg.checkpoint.load_step == -1
+
+
+def test_softpick_paper_command():
+    cfg = parse(
+        "--job.dump_folder", "exp/softpick-340M", "--optimizer.eps", "1e-15", "--optimizer.lr", "3e-4",
+        "--lr_scheduler.warmup_steps", "1024", "--lr_scheduler.lr_min", "0.1", "--lr_scheduler.decay_type", "cosine",
+        "--training.batch_size", "16", "--training.seq_len", "4096", "--training.gradient_accumulation_steps", "1",
+        "--training.steps", "22528", "--training.max_norm", "1.0", "--training.skip_nan_inf",
+        "--training.dataset", "HuggingFaceFW/fineweb-edu", "--training.dataset_name", "sample-100BT",
+        "--training.dataset_split", "train", "--training.num_workers", "32", "--training.prefetch_factor", "2",
+        "--training.seed", "79", "--training.compile", "--checkpoint.interval", "8192", "--checkpoint.load_step", "-1",
+        "--metrics.log_freq", "1", "--comm.init_timeout_seconds", "600", "--comm.train_timeout_seconds", "600",
+        "--training.data_parallel_replicate_degree", "1", "--training.data_parallel_shard_degree", "-1",
+        "--training.tensor_parallel_degree", "1", "--checkpoint.hf_upload_enabled", "--checkpoint.hf_repo_base_name", "x",
+    )
+    assert cfg.training.local_batch_size == 16 and cfg.comm.init_timeout_seconds == 600
+    assert cfg.parallelism.data_parallel_shard_degree == -1 and cfg.checkpoint.hf_upload_enabled
+
+
+def test_cli_overrides_toml_and_aliases():
+    cfg = parse("--optimizer.lr", "0.5", "--checkpoint.enable_checkpoint", "--job.print_args",
+                "--checkpoint.last_save_model_weights_only", "--training.deterministic",
+                "--training.data_probs", "0.6,0.4", "--validation.interval", "7")
+    assert cfg.optimizer.lr == 0.5 and cfg.checkpoint.enable and cfg.job.print_config
+    assert cfg.checkpoint.last_save_model_only and cfg.debug.deterministic
+    assert cfg.training.data_probs == [0.6, 0.4] and cfg.validation.freq == 7
+    # the TOML value survives where the CLI is silent
+    assert cfg.optimizer.eps == 1e-15
+
+
+def test_defaults_keep_final_checkpoint_resumable():
+    assert parse().checkpoint.last_save_model_only is False
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["--training.batchsize", "3"], "did you mean 'training.batch_size'"),
+        (["--optimzer.lr", "3"], "did you mean 'optimizer.lr'"),
+        (["--training.steps", "ten"], "--training.steps 'ten'"),
+        (["--lr_scheduler.decay_type", "exp"], "must be one of linear, sqrt, cosine"),
+        (["--training.seq_len", "1"], "training.seq_len 1"),
+        (["--training.varlen", "--training.context_len", "9000", "--training.seq_len", "4096"], "training.context_len 9000"),
+        (["--model.config", "/nonexistent.json"], "/nonexistent.json"),
+        (["--lr_scheduler.lr_min", "2"], "lr_scheduler.lr_min 2"),
+    ],
+)
+def test_bad_cli(args, fragment):
+    with pytest.raises(ConfigError, match=None) as e:
+        parse(*args)
+    assert fragment in str(e.value) and "\n" not in str(e.value)
+
+
+def test_bad_toml(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[training]\nbatchsize = 3\n')
+    with pytest.raises(ConfigError, match="unknown TOML key 'training.batchsize'; did you mean 'training.batch_size'"):
+        FlameConfigManager().parse_args(["--job.config_file", str(bad), "--model.config", CONFIG])
+    broken = tmp_path / "broken.toml"
+    broken.write_text("[training\n")
+    with pytest.raises(ConfigError, match="broken.toml"):
+        FlameConfigManager().parse_args(["--job.config_file", str(broken), "--model.config", CONFIG])
+    with pytest.raises(ConfigError, match="no such file"):
+        FlameConfigManager().parse_args(["--job.config_file", str(tmp_path / "missing.toml")])
