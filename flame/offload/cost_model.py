@@ -1,0 +1,180 @@
+"""Stream-level step-time and memory model of an offload plan.
+
+Resources: the compute stream, the H2D copy engine, the D2H copy engine and the CPU optimizer
+thread. Each phase of a step is a flow shop over the blocks in execution order, simulated with
+the recurrence finish[stage][j] = max(finish[stage-1][j], finish[stage][j-1], slot_free[j]) + time,
+which is exact for in-order streams that overlap freely. Approximations (said here, refit by
+calibration): block compute time = GEMM FLOPs / measured GEMM rate + attention FLOPs / measured
+attention rate (elementwise work is folded into those rates by calibration); during the
+backward both copy directions are taken as busy together, so each gets its share of the
+measured duplex rate; the forward's H2D runs alone at the full H2D rate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from flame.offload.costs import ModelCosts, UnitCosts
+from flame.offload.profile import HardwareProfile
+
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+RUNTIME_OVERHEAD_BYTES = 256 * 2**20  # cuBLAS workspaces, small buffers: refit by calibration
+
+
+@dataclass
+class Dtypes:
+    compute: str = "bfloat16"
+    master: str = "float32"
+    grad: str = "float32"
+    moment: str = "float32"
+
+    @property
+    def c(self) -> int:
+        return DTYPE_BYTES[self.compute]
+
+    @property
+    def master_extra(self) -> int:
+        """Bytes/param of a separate master copy (none when it is the compute copy)."""
+        return 0 if self.master == self.compute else DTYPE_BYTES[self.master]
+
+    @property
+    def grad_extra(self) -> int:
+        """Bytes/param of a separate grad accumulator (none when grads stay in compute dtype)."""
+        return 0 if self.grad == self.compute else DTYPE_BYTES[self.grad]
+
+    @property
+    def moments(self) -> int:
+        return 2 * DTYPE_BYTES[self.moment]
+
+
+# unit modes: gpu = everything on GPU, fused GPU AdamW; host_opt = compute copy resident on GPU,
+# grads D2H, master/moments on host, CPU AdamW, new copy H2D once a step; stream = compute copy
+# streamed from pinned host every pass, grads D2H, CPU AdamW.
+MODES = ("gpu", "host_opt", "stream")
+
+
+def unit_gpu_bytes(u: UnitCosts, mode: str, dt: Dtypes) -> int:
+    if mode == "gpu":
+        # compute copy + its grad (autograd writes grads in the param dtype) + master + accumulator + moments
+        return u.numel * (2 * dt.c + dt.master_extra + dt.grad_extra + dt.moments)
+    if mode == "host_opt":
+        return u.numel * 2 * dt.c
+    return 0
+
+
+def unit_host_bytes(u: UnitCosts, mode: str, dt: Dtypes) -> tuple[int, int]:
+    """(total host bytes, of which pinned) of a unit."""
+    if mode == "gpu":
+        return 0, 0
+    pinned = u.numel * 2 * dt.c  # compute copy the GPU streams from + grad staging it writes to
+    return pinned + u.numel * (dt.master_extra + dt.grad_extra + dt.moments), pinned
+
+
+@dataclass
+class Prediction:
+    step_s: float
+    gpu_bytes: int
+    host_bytes: int
+    pinned_bytes: int
+    compute_s: float
+    h2d_bytes: int
+    d2h_bytes: int
+    cpu_s: float
+    useful_flops: float
+
+
+def _flow(jobs, depth):
+    """Flow shop over jobs [(t_cpu, t_h2d, t_compute, t_d2h)] in order; returns makespan.
+
+    H2D of job j waits for the slot freed by the compute of job j-depth-1 (prefetch depth)."""
+    f_cpu = f_h = f_c = f_d = 0.0
+    comp_end = []
+    for j, (a, b, c, d) in enumerate(jobs):
+        f_cpu = f_cpu + a
+        slot = comp_end[j - depth - 1] if j - depth - 1 >= 0 else 0.0
+        f_h = max(f_cpu, f_h, slot) + b if b else max(f_cpu, f_h)
+        f_c = max(f_h, f_c) + c
+        comp_end.append(f_c)
+        f_d = max(f_c, f_d) + d if d else f_d
+    return max(f_c, f_d)
+
+
+def unit_times(u: UnitCosts, prof: HardwareProfile, scale: float, fudge: float = 1.0) -> tuple[float, float]:
+    """(forward, backward) seconds of a unit at `scale` x the measured micro-batch."""
+    g = prof.gemm_rate()
+    a = 1e12 * prof.attn_tflops
+    fwd = scale * (u.fwd_gemm_flops / g + u.fwd_attn_flops / a) * fudge
+    bwd = scale * (u.bwd_gemm_flops / g + u.bwd_attn_flops / a) * fudge
+    return fwd, bwd
+
+
+def predict(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, layer_modes, layer_acts, outer_mode: str,
+            depth: int, micro_batch: int, rounds: int, cpu_threads: int, fudge: float = 1.0) -> Prediction:
+    """Predicted steady-state step time and peak memory of one plan."""
+    scale = micro_batch / costs.micro_batch
+    layers, outer = costs.layers, costs.outer
+    c = dt.c
+    cpu_rate = prof.cpu_adam_rate(cpu_threads)
+    # fp32 states move ~16 B/param through the fused CPU AdamW; smaller states are cheaper in
+    # bytes but the kernel is compute-bound at fp32, so the measured fp32 rate is used as is.
+    h2d = prof.h2d_gbps * 1e9
+    share = prof.duplex_gbps * 1e9
+    h2d_bwd = share * prof.h2d_gbps / (prof.h2d_gbps + prof.d2h_gbps)
+    d2h_bwd = share * prof.d2h_gbps / (prof.h2d_gbps + prof.d2h_gbps)
+    memcpy = prof.host_memcpy_gbps * 1e9
+
+    units = [outer] + list(layers)
+    modes = [outer_mode] + list(layer_modes)
+    acts = ["keep"] + list(layer_acts)
+    times = [unit_times(u, prof, scale, fudge) for u in units]
+    cpu_t = [u.numel / cpu_rate if m != "gpu" else 0.0 for u, m in zip(units, modes)]
+    # grad accumulation over rounds > 1 on host: one add pass per extra round
+    acc_t = [(rounds - 1) * u.numel * (c + DTYPE_BYTES[dt.grad]) / memcpy if m != "gpu" else 0.0 for u, m in zip(units, modes)]
+    n = len(layers)
+    total = 0.0
+    h2d_bytes = d2h_bytes = 0
+    compute = 0.0
+    for r in range(rounds):
+        fw = []
+        for j, (u, m) in enumerate(zip(units, modes)):
+            need = m == "stream" or (m == "host_opt" and r == 0)
+            b = u.numel * c if need else 0
+            h2d_bytes += b
+            fw.append((cpu_t[j] + (acc_t[j] if r == 0 else 0.0) if r == 0 else 0.0, b / h2d, times[j][0], 0.0))
+            compute += times[j][0]
+        total += _flow(fw, depth)
+        bw = []
+        for k in range(n, -1, -1):  # layers n-1..0 then outer (index 0)
+            u, m = units[k], modes[k]
+            # streamed layers still in a slot after the forward (the last depth+1) are not refetched
+            refetch = m == "stream" and k >= 1 and (k - 1) < n - (depth + 1)
+            b = u.numel * c if refetch else 0
+            d = u.numel * c if m != "gpu" else 0
+            h2d_bytes += b
+            d2h_bytes += d
+            ct = times[k][1] + (times[k][0] if acts[k] == "recompute" else 0.0)
+            compute += ct
+            bw.append((0.0, b / h2d_bwd, ct, d / d2h_bwd))
+        total += _flow(bw, depth)
+    gpu_params = sum(u.numel for u, m in zip(units, modes) if m == "gpu")
+    total += gpu_params / (prof.gpu_adam_gparams * 1e9)
+
+    # memory
+    mem = sum(unit_gpu_bytes(u, m, dt) for u, m in zip(units, modes))
+    streamed = [u.numel for u, m in zip(units, modes) if m == "stream"]
+    if streamed:
+        mem += (depth + 2) * max(streamed) * c + 2 * max(streamed) * c  # weight slots + grad slots
+    act = sum(scale * (u.act_keep_bytes if a == "keep" else u.act_recompute_bytes) for u, a in zip(layers, layer_acts))
+    act += scale * outer.act_keep_bytes
+    # transient of a backward: the recomputed block's activations + its gradient buffers; the loss's
+    # gradient of the logits
+    trans = [scale * ((l.act_keep_bytes if a == "recompute" else 0) + 2 * l.max_saved_bytes) for l, a in zip(layers, layer_acts)]
+    trans.append(scale * 1.5 * outer.max_saved_bytes)
+    mem += int(act + max(trans)) + RUNTIME_OVERHEAD_BYTES
+    host = pinned = 0
+    for u, m in zip(units, modes):
+        h, p = unit_host_bytes(u, m, dt)
+        host += h
+        pinned += p
+    useful = rounds * sum(scale * (u.fwd_gemm_flops + u.bwd_gemm_flops + u.fwd_attn_flops + u.bwd_attn_flops) for u in units)
+    return Prediction(total, mem, host, pinned, compute, h2d_bytes, d2h_bytes, sum(cpu_t), useful)

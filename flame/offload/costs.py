@@ -1,0 +1,237 @@
+"""Per-block costs measured from the real model, not declared by hand.
+
+One forward+backward of the model (on the meta device for shapes only, or on a real device)
+runs under a FLOP counter and saved-tensor hooks. Forward pre/post hooks on every block tell
+which block is running, so every saved tensor and every FLOP is charged to its block; whatever
+runs outside the blocks (embeddings, final norm, head, loss) is the unit "outer". Works for any
+HF/FLA causal LM whose blocks are the largest ModuleList of same-class children.
+
+Attention: on meta, torch's SDPA decomposes to a dense T x T score matrix, which flash kernels
+never store. During measurement SDPA is replaced by a stand-in with flash attention's saved set
+(q, k, v, out, fp32 logsumexp) and its useful FLOPs are counted separately (causal: half the
+dense score matrix). FLA's Triton kernels cannot run on meta; measure FLA models on a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn as nn
+from torch.utils.flop_counter import FlopCounterMode
+
+
+@dataclass
+class UnitCosts:
+    name: str
+    kind: str
+    """'layer' (streamable decoder block) or 'outer' (embeddings, final norm, head, loss)."""
+    numel: int
+    param_roles: dict[str, int]
+    """numel per parameter role (last module name, e.g. q_proj, gate_proj, input_layernorm)."""
+    fwd_gemm_flops: float
+    fwd_attn_flops: float
+    """Useful (causal) attention FLOPs of the forward."""
+    act_keep_bytes: int
+    """Bytes saved for backward when the block keeps its activations (weights excluded)."""
+    act_recompute_bytes: int
+    """Bytes kept when the block is fully recomputed (its tensor inputs)."""
+    max_saved_bytes: int
+    """Largest single saved tensor (bounds the backward's transient gradient buffers)."""
+
+    @property
+    def bwd_gemm_flops(self) -> float:
+        # dX and dW each cost one forward matmul
+        return 2.0 * self.fwd_gemm_flops
+
+    @property
+    def bwd_attn_flops(self) -> float:
+        # flash backward: 5 matmuls of the score size vs 2 in the forward
+        return 2.5 * self.fwd_attn_flops
+
+
+@dataclass
+class ModelCosts:
+    micro_batch: int
+    seq_len: int
+    units: list[UnitCosts]
+    layer_class: str
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def tokens(self) -> int:
+        return self.micro_batch * self.seq_len
+
+    @property
+    def layers(self) -> list[UnitCosts]:
+        return [u for u in self.units if u.kind == "layer"]
+
+    @property
+    def outer(self) -> UnitCosts:
+        return next(u for u in self.units if u.kind == "outer")
+
+    @property
+    def numel(self) -> int:
+        return sum(u.numel for u in self.units)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @staticmethod
+    def from_dict(d: dict) -> "ModelCosts":
+        d = dict(d)
+        d["units"] = [UnitCosts(**u) for u in d["units"]]
+        return ModelCosts(**d)
+
+
+def find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """The largest ModuleList whose children all have one class: the decoder blocks."""
+    best, best_name = None, ""
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.ModuleList) and len(mod) > 0:
+            if len({type(c) for c in mod}) == 1 and (best is None or len(mod) > len(best)):
+                best, best_name = mod, name
+    if best is None:
+        raise ValueError(f"{type(model).__name__}: no ModuleList of identical blocks found")
+    return best_name, best
+
+
+class _FlashLike(torch.autograd.Function):
+    """Stand-in for SDPA during measurement: flash attention's outputs and saved tensors."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        q, k, v, _, _ = ctx.saved_tensors
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+class _Recorder:
+    def __init__(self, model: nn.Module, blocks: nn.ModuleList):
+        self.blocks = blocks
+        self.current = "outer"
+        self.param_ids = {id(p) for p in model.parameters()}
+        self.saved: dict[str, dict[int, int]] = {}
+        self.max_saved: dict[str, int] = {}
+        self.inputs: dict[str, int] = {}
+        self.attn: dict[str, float] = {}
+        self.keep = []  # keeps saved tensors alive so id() stays unique during measurement
+
+    def pack(self, t: torch.Tensor):
+        base = t._base if t._base is not None else t
+        if id(base) not in self.param_ids and id(t) not in self.param_ids:
+            self.keep.append(base)
+            nb = base.numel() * base.element_size()
+            self.saved.setdefault(self.current, {})[id(base)] = nb
+            self.max_saved[self.current] = max(self.max_saved.get(self.current, 0), nb)
+        return t
+
+    def sdpa(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        b, h, tq, d = q.shape
+        tk = k.shape[-2]
+        # useful FLOPs: QK^T and PV, 2*tq*tk*d each; causal LMs mask half of the scores
+        causal = 0.5 if (is_causal or attn_mask is not None) and tq == tk else 1.0
+        self.attn[self.current] = self.attn.get(self.current, 0.0) + 4.0 * b * h * tq * tk * d * causal
+        return _FlashLike.apply(q, k, v)
+
+
+def _role(name: str) -> str:
+    parts = name.split(".")
+    return parts[-2] if len(parts) >= 2 else parts[-1]
+
+
+def measure_costs(model: nn.Module, micro_batch: int, seq_len: int, loss: bool = True) -> ModelCosts:
+    """Run one fwd+bwd of `model` (any device, meta included) and charge costs to blocks."""
+    blocks_name, blocks = find_blocks(model)
+    rec = _Recorder(model, blocks)
+    names = [f"{blocks_name}.{i}" for i in range(len(blocks))]
+    handles = []
+
+    def pre(i):
+        def hook(mod, args, kwargs):
+            rec.current = names[i]
+            tens = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
+            # full recompute keeps the block's floating-point tensor inputs
+            rec.inputs[names[i]] = sum(a.numel() * a.element_size() for a in tens if a.is_floating_point() and a.requires_grad)
+
+        return hook
+
+    def post(mod, args, out):
+        rec.current = "outer"
+
+    for i, b in enumerate(blocks):
+        handles.append(b.register_forward_pre_hook(pre(i), with_kwargs=True))
+        handles.append(b.register_forward_hook(post))
+    dev = next(model.parameters()).device
+    ids = torch.zeros((micro_batch, seq_len), dtype=torch.long, device=dev)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    torch.nn.functional.scaled_dot_product_attention = rec.sdpa
+    fc = FlopCounterMode(display=False)
+    try:
+        with fc, torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t):
+            out = model(ids)
+            logits = out.logits if hasattr(out, "logits") else out
+            if loss:
+                val = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), ids.flatten(0, 1), reduction="sum")
+            else:
+                val = logits.float().sum()
+        fwd_counts = fc.get_flop_counts()
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = sdpa
+        for h in handles:
+            h.remove()
+    del val, logits, out
+    rec.keep.clear()
+
+    def flops_of(prefix_key: str) -> float:
+        for k, v in fwd_counts.items():
+            if k.endswith("." + prefix_key) or k == prefix_key:
+                return float(sum(v.values()))
+        return 0.0
+
+    total = float(sum(fwd_counts.get("Global", {}).values()))
+    units = []
+    layer_flops = 0.0
+    for i, b in enumerate(blocks):
+        n = names[i]
+        roles: dict[str, int] = {}
+        for pn, p in b.named_parameters():
+            roles[_role(pn)] = roles.get(_role(pn), 0) + p.numel()
+        f = flops_of(n)
+        layer_flops += f
+        units.append(UnitCosts(n, "layer", sum(p.numel() for p in b.parameters()), roles, f, rec.attn.get(n, 0.0),
+                               sum(rec.saved.get(n, {}).values()), rec.inputs.get(n, 0), rec.max_saved.get(n, 0)))
+    block_ids = {id(p) for p in blocks.parameters()}
+    roles = {}
+    numel = 0
+    seen = set()
+    for pn, p in model.named_parameters():
+        if id(p) in block_ids or id(p) in seen:
+            continue
+        seen.add(id(p))
+        roles[_role(pn)] = roles.get(_role(pn), 0) + p.numel()
+        numel += p.numel()
+    act = sum(rec.saved.get("outer", {}).values())
+    units.append(UnitCosts("outer", "outer", numel, roles, total - layer_flops, rec.attn.get("outer", 0.0), act, act,
+                           rec.max_saved.get("outer", 0)))
+    return ModelCosts(micro_batch, seq_len, units, type(blocks[0]).__name__)
+
+
+@contextlib.contextmanager
+def _noop():
+    yield
+
+
+def meta_model(config, dtype=torch.bfloat16) -> nn.Module:
+    """Build an HF/FLA causal LM from a config on the meta device (no memory, for costs)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)

@@ -1,0 +1,223 @@
+"""Chooses where every block's state lives: the fastest predicted plan under both budgets.
+
+Search (exact for the cost model, given its placement rule): for identical decoder blocks only
+the number of blocks in each mode matters up to placement, so every split
+(n_gpu, n_host_opt, n_stream) is enumerated for each outer mode and prefetch depth; for each,
+the fewest recomputed blocks that fit the GPU budget is taken in closed form (recomputing more
+only adds compute). Placement rule (the approximation): modes and recompute are spread evenly
+over the blocks (Bresenham), so streamed blocks interleave with resident ones and their copies
+hide behind resident compute. Every candidate's time comes from `cost_model.predict`. Because
+the minimum is over a set that only grows with the GPU budget, more GPU memory never predicts
+a slower step.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+from flame.errors import ConfigError
+from flame.offload.cost_model import Dtypes, Prediction, predict
+from flame.offload.costs import ModelCosts
+from flame.offload.profile import HardwareProfile
+
+GiB = 1024**3
+
+
+@dataclass
+class Plan:
+    layer_modes: list[str]
+    layer_acts: list[str]
+    outer_mode: str
+    prefetch_depth: int
+    micro_batch: int
+    seq_len: int
+    rounds: int
+    cpu_threads: int
+    dtypes: dict
+    gpu_budget_bytes: int
+    host_budget_bytes: int
+    predicted: dict = field(default_factory=dict)
+    binding: str = ""
+
+    @property
+    def offloads(self) -> bool:
+        return self.outer_mode != "gpu" or any(m != "gpu" for m in self.layer_modes)
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump(asdict(self), f, indent=1)
+
+    @staticmethod
+    def load(path: str) -> "Plan":
+        try:
+            with open(path) as f:
+                return Plan(**json.load(f))
+        except FileNotFoundError:
+            raise ConfigError(f"offload.plan={path!r}: file not found") from None
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"offload.plan={path!r}: not a plan file ({e})") from None
+
+
+def spread(n: int, counts: dict[str, int]) -> list[str]:
+    """Bresenham placement: each label's blocks evenly spaced over n slots."""
+    out = [None] * n
+    order = sorted(counts.items(), key=lambda kv: kv[1])
+    free = list(range(n))
+    for label, k in order[:-1]:
+        if k <= 0:
+            continue
+        picks = [free[int((i + 0.5) * len(free) / k)] for i in range(k)]
+        for p in picks:
+            out[p] = label
+        free = [f for f in free if out[f] is None]
+    last = order[-1][0]
+    return [last if o is None else o for o in out]
+
+
+def _parse_overrides(overrides: list[str], n: int) -> dict:
+    """`weights[0-3]=gpu`, `optimizer[*]=cpu`, `activations[2]=recompute`, `prefetch=2`."""
+    fixed = {"mode": {}, "act": {}}
+    glob = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"offload.overrides entry {item!r}: expected key=value")
+        k, v = item.split("=", 1)
+        k, v = k.strip(), v.strip()
+        if "[" in k:
+            name, rng = k[:-1].split("[", 1)
+            if rng == "*":
+                idx = range(n)
+            elif "-" in rng:
+                a, b = rng.split("-")
+                idx = range(int(a), int(b) + 1)
+            else:
+                idx = [int(rng)]
+            if any(i < 0 or i >= n for i in idx):
+                raise ConfigError(f"offload.overrides entry {item!r}: block index out of 0..{n - 1}")
+            table = {"weights": ("mode", {"gpu": "gpu", "host": "stream", "resident": "host_opt"}),
+                     "optimizer": ("mode", {"gpu": "gpu", "cpu": "host_opt"}),
+                     "activations": ("act", {"keep": "keep", "recompute": "recompute"})}
+            if name not in table or v not in table[name][1]:
+                raise ConfigError(f"offload.overrides entry {item!r}: unknown key or value")
+            kind, vals = table[name]
+            for i in idx:
+                fixed[kind][i] = vals[v]
+        elif k in ("prefetch", "outer", "rounds"):
+            glob[k] = v
+        else:
+            raise ConfigError(f"offload.overrides entry {item!r}: unknown key {k!r}")
+    return {"fixed": fixed, "glob": glob}
+
+
+def _apply(layer_modes, layer_acts, ov):
+    for i, m in ov["fixed"]["mode"].items():
+        layer_modes[i] = m
+    for i, a in ov["fixed"]["act"].items():
+        layer_acts[i] = a
+    return layer_modes, layer_acts
+
+
+def solve(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, gpu_budget: int, host_budget: int,
+          micro_batch: int, rounds: int, cpu_threads: int, depths=(1, 2, 3), overrides: list[str] | None = None,
+          allow_offload: bool = True) -> Plan:
+    """The fastest plan whose predicted peak GPU and host bytes fit the budgets.
+
+    Raises ConfigError naming what is missing when nothing fits (before anything is allocated)."""
+    n = len(costs.layers)
+    ov = _parse_overrides(overrides or [], n)
+    if "prefetch" in ov["glob"]:
+        depths = (int(ov["glob"]["prefetch"]),)
+    outers = ("gpu", "host_opt") if allow_offload else ("gpu",)
+    if "outer" in ov["glob"]:
+        outers = (ov["glob"]["outer"],)
+    best: tuple[float, Plan] | None = None
+    min_gpu = min_host = None
+    splits = [(g, h, n - g - h) for g in range(n + 1) for h in range(n + 1 - g)] if allow_offload else [(n, 0, 0)]
+    for g, h, s in splits:
+        base_modes = spread(n, {"gpu": g, "host_opt": h, "stream": s})
+        for outer in outers:
+            for depth in depths if s else depths[:1]:
+                # fewest recomputed blocks that fit: bisect over k (memory falls as k grows)
+                def at(k):
+                    acts = spread(n, {"recompute": k, "keep": n - k})
+                    modes, acts = _apply(list(base_modes), acts, ov)
+                    return modes, acts, predict(costs, prof, dt, modes, acts, outer, depth, micro_batch, rounds, cpu_threads)
+
+                lo, hi = 0, n
+                m_hi = at(hi)
+                pg, ph = m_hi[2].gpu_bytes, m_hi[2].host_bytes
+                min_gpu = pg if min_gpu is None else min(min_gpu, pg)
+                if pg <= gpu_budget:
+                    min_host = ph if min_host is None else min(min_host, ph)
+                if pg > gpu_budget or ph > host_budget:
+                    continue
+                while lo < hi:
+                    mid = (lo + hi) // 2
+                    if at(mid)[2].gpu_bytes <= gpu_budget:
+                        hi = mid
+                    else:
+                        lo = mid + 1
+                modes, acts, p = at(lo)
+                if best is None or p.step_s < best[0] - 1e-12:
+                    plan = Plan(modes, acts, outer, depth, micro_batch, costs.seq_len, rounds, cpu_threads, asdict(dt),
+                                gpu_budget, host_budget, _pred_dict(p, costs, micro_batch, rounds, prof))
+                    best = (p.step_s, plan)
+    if best is None:
+        if min_gpu is None or min_gpu > gpu_budget:
+            raise ConfigError(f"offload: needs {min_gpu / GiB:.1f} GiB GPU, budget {gpu_budget / GiB:.1f} "
+                              f"(every block streamed and recomputed)")
+        raise ConfigError(f"offload: needs {min_host / GiB:.1f} GiB host, budget {host_budget / GiB:.1f}")
+    plan = best[1]
+    plan.binding = _binding(plan, prof)
+    return plan
+
+
+def _pred_dict(p: Prediction, costs: ModelCosts, micro_batch: int, rounds: int, prof: HardwareProfile) -> dict:
+    tokens = micro_batch * costs.seq_len * rounds
+    peak = prof.gemm_rate("8192x8192x8192") if "8192x8192x8192" in prof.gemm_tflops else prof.gemm_rate()
+    return {"step_s": p.step_s, "tokens_per_s": tokens / p.step_s, "mfu": p.useful_flops / p.step_s / peak,
+            "useful_tflops": p.useful_flops / p.step_s / 1e12,
+            "peak_gpu_bytes": p.gpu_bytes, "peak_host_bytes": p.host_bytes, "pinned_bytes": p.pinned_bytes,
+            "compute_s": p.compute_s, "h2d_bytes": p.h2d_bytes, "d2h_bytes": p.d2h_bytes, "cpu_opt_s": p.cpu_s}
+
+
+def _binding(plan: Plan, prof: HardwareProfile) -> str:
+    pr = plan.predicted
+    if not plan.offloads:
+        return "none (everything resident)"
+    if pr["peak_gpu_bytes"] > 0.97 * plan.gpu_budget_bytes or any(a == "recompute" for a in plan.layer_acts):
+        what = "GPU memory budget"
+    elif pr["peak_host_bytes"] > 0.97 * plan.host_budget_bytes:
+        what = "host memory budget"
+    else:
+        what = "GPU memory budget"
+    bound = max(("compute", pr["compute_s"]), ("H2D/D2H link", (pr["h2d_bytes"] + pr["d2h_bytes"]) / (prof.duplex_gbps * 1e9)),
+                ("CPU optimizer", pr["cpu_opt_s"]), key=lambda kv: kv[1])[0]
+    return f"{what}; step bound by {bound}"
+
+
+def describe(plan: Plan, costs: ModelCosts) -> str:
+    """Human-readable plan: one line per run of equal block decisions, then the prediction."""
+    pr = plan.predicted
+    lines = [f"offload plan: {len(plan.layer_modes)} blocks ({costs.layer_class}), micro-batch {plan.micro_batch}x{plan.seq_len}, "
+             f"{plan.rounds} round(s)/step, prefetch depth {plan.prefetch_depth}, CPU threads {plan.cpu_threads}",
+             f"  dtypes: {plan.dtypes}",
+             f"  outer (embeddings/norm/head, {costs.outer.numel / 1e6:.0f}M params): {plan.outer_mode}"]
+    names = {"gpu": "weights+grads+AdamW on GPU", "host_opt": "weights on GPU, grads->host, CPU AdamW",
+             "stream": "weights streamed from pinned host, grads->host, CPU AdamW"}
+    i, n = 0, len(plan.layer_modes)
+    while i < n:
+        j = i
+        while j + 1 < n and (plan.layer_modes[j + 1], plan.layer_acts[j + 1]) == (plan.layer_modes[i], plan.layer_acts[i]):
+            j += 1
+        lines.append(f"  blocks {i}-{j}: {names[plan.layer_modes[i]]}; activations {plan.layer_acts[i]}")
+        i = j + 1
+    c = {m: plan.layer_modes.count(m) for m in ("gpu", "host_opt", "stream")}
+    lines.append(f"  counts: {c}, recomputed {plan.layer_acts.count('recompute')}")
+    lines.append(f"  predicted step {pr['step_s'] * 1e3:.1f} ms, {pr['tokens_per_s']:.0f} tokens/s, MFU {100 * pr['mfu']:.1f}% "
+                 f"({pr['useful_tflops']:.0f} TFLOP/s useful)")
+    lines.append(f"  peak GPU {pr['peak_gpu_bytes'] / GiB:.2f} GiB of {plan.gpu_budget_bytes / GiB:.2f}; host "
+                 f"{pr['peak_host_bytes'] / GiB:.2f} GiB of {plan.host_budget_bytes / GiB:.2f} (pinned {pr['pinned_bytes'] / GiB:.2f})")
+    lines.append(f"  binding constraint: {plan.binding}")
+    return "\n".join(lines)
