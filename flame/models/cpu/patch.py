@@ -34,7 +34,10 @@ def make_dispatcher(original: Callable, cpu_impl: Callable, skip_self: bool = Fa
     def dispatcher(*args, **kwargs):
         probe = args[1:] if skip_self else args
         if is_cpu_call(probe, kwargs):
-            return cpu_impl(*args, **kwargs)
+            # Triton kernels ignore autocast; so do their replacements (they manage dtypes themselves
+            # and keep the recurrences in float32)
+            with torch.autocast('cpu', enabled=False):
+                return cpu_impl(*args, **kwargs)
         return original(*args, **kwargs)
 
     setattr(dispatcher, MARK, original)
