@@ -1,0 +1,191 @@
+"""Layer-level dispatch: run one backend on [B, T, H, D] tensors, with the right fallback.
+
+Paths (q: [B, Tq, HQ, D], k/v: [B, Tk, HK, D]):
+* weights requested, impl 'naive', or a non-softmax backend off-GPU / in decode / with padding
+  or a sliding window -> ``naive_attention`` (pure torch, returns the weights)
+* softpick / rectified on CUDA -> flame's Triton kernels
+* softmax, decode / padding / window -> SDPA with an explicit boolean mask
+* softmax dense -> SDPA (causal), FLA parallel_attn, flame Triton or FlexAttention per impl
+* softmax with cu_seqlens -> GPU: torch varlen_attn or FlexAttention (``FLAME_VARLEN_SOFTMAX``),
+  CPU: SDPA with a dense block-diagonal causal mask (FlexAttention has no CPU backward)
+"""
+from __future__ import annotations
+
+import inspect
+import os
+
+import torch
+import torch.nn.functional as F
+
+from flame.models.attention.registry import AttentionBackend
+from flame.ops.attention import build_valid_mask, naive_attention, parallel_attention, triton_interpreting
+
+
+def _on_gpu(x: torch.Tensor) -> bool:
+    return x.is_cuda or triton_interpreting()
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    backend: AttentionBackend,
+    *,
+    scale: float | None = None,
+    eps: float = 1e-6,
+    cu_seqlens: torch.Tensor | None = None,
+    max_seqlen: int | None = None,
+    key_padding_mask: torch.Tensor | None = None,
+    window_size: int | None = None,
+    need_weights: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Causal attention output [B, Tq, HQ, D] and (for the naive path only) the weights."""
+    B, tq, hq, d = q.shape
+    tk = k.shape[1]
+    scale = d ** -0.5 if scale is None else scale
+    decode = tq != tk
+    if cu_seqlens is not None and decode:
+        raise ValueError("cu_seqlens cannot be combined with cached keys")
+    padded = key_padding_mask is not None and not bool(key_padding_mask[:, -tk:].all())
+    if not padded:
+        key_padding_mask = None
+    irregular = decode or padded or window_size is not None
+    if need_weights or backend.impl == "naive" or (backend.rows != "softmax" and (irregular or not _on_gpu(q))):
+        return naive_attention(
+            q, k, v, backend.rows, scale=scale, eps=eps, cu_seqlens=cu_seqlens,
+            key_padding_mask=key_padding_mask, window_size=window_size, return_weights=need_weights,
+        )
+    if backend.rows != "softmax":
+        return parallel_attention(q, k, v, backend.rows, scale=scale, eps=eps, cu_seqlens=cu_seqlens,
+                                  max_seqlen=max_seqlen), None
+    if irregular:
+        return _sdpa_masked(q, k, v, scale, cu_seqlens, key_padding_mask, window_size), None
+    if backend.impl == "fla" and q.is_cuda:
+        return _fla_parallel(q, k, v, scale, cu_seqlens), None
+    if backend.impl == "triton" and _on_gpu(q):
+        return parallel_attention(q, k, v, "softmax", scale=scale, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen), None
+    if cu_seqlens is None and backend.impl != "flex":
+        return _sdpa_causal(q, k, v, scale), None
+    if q.is_cuda:
+        if cu_seqlens is None:
+            return _flex(q, k, v, scale, None), None
+        how = os.environ.get("FLAME_VARLEN_SOFTMAX", "varlen" if backend.impl == "sdpa" else "flex")
+        if how == "varlen" and _varlen_attn() is not None:
+            return _torch_varlen(q, k, v, scale, cu_seqlens, max_seqlen), None
+        return _flex(q, k, v, scale, cu_seqlens), None
+    if cu_seqlens is None:
+        return _sdpa_causal(q, k, v, scale), None
+    return _sdpa_masked(q, k, v, scale, cu_seqlens, None, None), None
+
+
+def _heads_first(x: torch.Tensor) -> torch.Tensor:
+    return x.transpose(1, 2)
+
+
+def _sdpa_causal(q, k, v, scale):
+    o = F.scaled_dot_product_attention(
+        _heads_first(q), _heads_first(k), _heads_first(v), is_causal=True, scale=scale,
+        enable_gqa=q.shape[2] != k.shape[2],
+    )
+    return o.transpose(1, 2)
+
+
+def _sdpa_masked(q, k, v, scale, cu_seqlens, key_padding_mask, window_size):
+    B, tq, hq, d = q.shape
+    tk = k.shape[1]
+    if cu_seqlens is not None and B > 1:
+        o = _sdpa_masked(q.reshape(1, B * tq, hq, d), k.reshape(1, B * tk, *k.shape[2:]),
+                         v.reshape(1, B * tk, *v.shape[2:]), scale, cu_seqlens, None, window_size)
+        return o.reshape(B, tq, hq, -1)
+    valid = build_valid_mask(tq, tk, device=q.device, cu_seqlens=cu_seqlens,
+                             key_padding_mask=key_padding_mask, window_size=window_size)
+    # rows without any admissible key (padding queries) attend to themselves instead of NaN
+    diag = torch.arange(tk, device=q.device)[None, :] == (torch.arange(tq, device=q.device)[:, None] + tk - tq)
+    valid = valid | (~valid.any(-1, keepdim=True) & diag)
+    o = F.scaled_dot_product_attention(
+        _heads_first(q), _heads_first(k), _heads_first(v), attn_mask=valid, scale=scale,
+        enable_gqa=q.shape[2] != k.shape[2],
+    )
+    return o.transpose(1, 2)
+
+
+def _fla_parallel(q, k, v, scale, cu_seqlens):
+    from fla.ops.attn import parallel_attn
+
+    B, T = q.shape[:2]
+    if cu_seqlens is not None and B > 1:
+        q, k, v = (x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v))
+    o = parallel_attn(q, k, v, scale=scale, cu_seqlens=None if cu_seqlens is None else cu_seqlens.long())
+    return o.reshape(B, T, *o.shape[2:])
+
+
+_VARLEN = None
+
+
+def _varlen_attn():
+    global _VARLEN
+    if _VARLEN is None:
+        try:
+            from torch.nn.attention.varlen import varlen_attn
+
+            _VARLEN = varlen_attn
+        except ImportError:
+            _VARLEN = False
+    return _VARLEN or None
+
+
+def _torch_varlen(q, k, v, scale, cu_seqlens, max_seqlen):
+    fn = _varlen_attn()
+    B, T, hq, d = q.shape
+    hk = k.shape[2]
+    params = inspect.signature(fn).parameters
+    q2, k2, v2 = (x.reshape(B * T, *x.shape[2:]) for x in (q, k, v))
+    kw = {"scale": scale} if "scale" in params else {}
+    if hq != hk:
+        if "enable_gqa" in params:
+            kw["enable_gqa"] = True
+        else:
+            k2 = k2.repeat_interleave(hq // hk, dim=1)
+            v2 = v2.repeat_interleave(hq // hk, dim=1)
+    if "is_causal" in params:
+        kw["is_causal"] = True
+    else:
+        kw["window_size"] = (-1, 0)
+    cu = cu_seqlens.to(torch.int32)
+    if max_seqlen is None:
+        max_seqlen = int((cu[1:] - cu[:-1]).max().item())
+    o = fn(q2, k2, v2, cu, cu, max_seqlen, max_seqlen, **kw)
+    return o.reshape(B, T, hq, -1)
+
+
+_FLEX = None
+_MASK_CACHE: list = []   # [(cu_seqlens tensor (kept alive), its _version, length, BlockMask)]
+
+
+def _flex(q, k, v, scale, cu_seqlens):
+    global _FLEX
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if _FLEX is None:
+        _FLEX = torch.compile(flex_attention, dynamic=False)
+    B, T, hq = q.shape[:3]
+    if cu_seqlens is not None and B > 1:
+        q, k, v = (x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v))
+    L = q.shape[1]
+    hit = [e for e in _MASK_CACHE if e[0] is cu_seqlens and e[1] == getattr(cu_seqlens, "_version", 0) and e[2] == L]
+    if hit:
+        block_mask = hit[0][3]
+    else:
+        if cu_seqlens is None:
+            def mask_mod(b, h, qi, kj):
+                return qi >= kj
+        else:
+            doc = torch.searchsorted(cu_seqlens.to(q.device), torch.arange(L, device=q.device), right=True)
+
+            def mask_mod(b, h, qi, kj):
+                return (qi >= kj) & (doc[qi] == doc[kj])
+        block_mask = create_block_mask(mask_mod, None, None, L, L, device=q.device)
+        _MASK_CACHE[:] = [(cu_seqlens, getattr(cu_seqlens, "_version", 0), L, block_mask)]
+    o = _FLEX(_heads_first(q), _heads_first(k), _heads_first(v), block_mask=block_mask, scale=scale,
+              enable_gqa=q.shape[2] != k.shape[2])
+    return o.transpose(1, 2).reshape(B, T, hq, -1)
