@@ -18,7 +18,7 @@ import re
 from pathlib import Path
 
 ASSETS = Path(__file__).resolve().parent
-CORPUS_DIR = ASSETS / "corpus"
+CORPUS_DIR = ASSETS / "sample_corpus"
 TOKENIZER_DIR = ASSETS / "tokenizer"
 
 # A heading is a text line followed by a line made of one repeated punctuation character.

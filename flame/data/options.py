@@ -1,0 +1,218 @@
+"""The data options, read once from a job config and checked (one-line ConfigError per bad value)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any, Sequence
+
+from flame.errors import ConfigError
+
+BOUNDARY_POLICIES = ("auto", "bos", "eos", "bos_eos", "none")
+MIX_BY = ("documents", "tokens")
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    """One entry of ``training.dataset`` with its per-entry options."""
+
+    path: str
+    name: str | None = None
+    split: str | None = None
+    data_dir: str | None = None
+    data_files: str | None = None
+
+
+@dataclass(frozen=True)
+class DataOptions:
+    sources: tuple[SourceSpec, ...]
+    probs: tuple[float, ...]
+    batch_size: int
+    seq_len: int
+    varlen: bool = False
+    context_len: int = 2048
+    text_column: str | None = None
+    streaming: bool = False
+    shuffle: bool = True
+    shuffle_buffer_size: int = 10000
+    mix_by: str = "documents"
+    boundary_policy: str = "auto"
+    mask_cross_document_labels: bool = False
+    seed: int = 0
+    num_workers: int = 0
+    prefetch_factor: int | None = None
+    pin_memory: bool = False
+    persistent_workers: bool = False
+    # "validation" loaders read held-out splits, never shuffle and keep no checkpoint state.
+    split_role: str = "train"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+
+def _split_list(value: str | None, what: str, n: int | None) -> list[str | None]:
+    """Split a comma list; empty entries mean "default". Length must be n when n is given."""
+    if value is None or (isinstance(value, str) and value.strip() == ""):
+        return [None] * (n or 0)
+    items = value if isinstance(value, (list, tuple)) else str(value).split(",")
+    items = [(s.strip() or None) if s is not None else None for s in items]
+    if n is not None and len(items) != n:
+        raise ConfigError(
+            f"training.{what}: {value!r} has {len(items)} entries but training.dataset has {n}; "
+            "give one entry per dataset (empty entries allowed)"
+        )
+    return items
+
+
+def parse_sources(
+    dataset: str | None,
+    dataset_name: str | None = None,
+    dataset_split: str | None = None,
+    data_dir: str | None = None,
+    data_files: str | None = None,
+    *,
+    field_prefix: str = "training",
+) -> tuple[SourceSpec, ...]:
+    if dataset is None or not str(dataset).strip():
+        raise ConfigError(f"{field_prefix}.dataset: {dataset!r} is empty; name at least one data source")
+    paths = [p.strip() for p in str(dataset).split(",")]
+    if any(not p for p in paths):
+        raise ConfigError(f"{field_prefix}.dataset: {dataset!r} has an empty entry")
+    n = len(paths)
+    names = _split_list(dataset_name, "dataset_name", n)
+    splits = _split_list(dataset_split, "dataset_split", n)
+    dirs = _split_list(data_dir, "data_dir", n)
+    files = _split_list(data_files, "data_files", n)
+    return tuple(
+        SourceSpec(path=p, name=a, split=b, data_dir=c, data_files=d)
+        for p, a, b, c, d in zip(paths, names, splits, dirs, files)
+    )
+
+
+def normalize_probs(probs: Sequence[float] | str | None, n: int) -> tuple[float, ...]:
+    if probs is None or (isinstance(probs, (list, tuple)) and len(probs) == 0):
+        return tuple([1.0 / n] * n)
+    if isinstance(probs, str):
+        try:
+            probs = [float(x) for x in probs.split(",")]
+        except ValueError:
+            raise ConfigError(f"training.data_probs: {probs!r} is not a comma list of numbers") from None
+    probs = [float(p) for p in probs]
+    if len(probs) != n:
+        raise ConfigError(
+            f"training.data_probs: {probs} has {len(probs)} entries but training.dataset has {n}"
+        )
+    for p in probs:
+        if not (p > 0) or math.isinf(p):
+            raise ConfigError(f"training.data_probs: {p} in {probs} is not a positive finite number")
+    total = sum(probs)
+    return tuple(p / total for p in probs)
+
+
+def validate(o: DataOptions) -> None:
+    if o.seq_len < 2:
+        raise ConfigError(f"training.seq_len: {o.seq_len} must be at least 2")
+    if o.batch_size < 1:
+        raise ConfigError(f"training.batch_size: {o.batch_size} must be at least 1")
+    if o.varlen:
+        if o.context_len < 1:
+            raise ConfigError(f"training.context_len: {o.context_len} must be at least 1")
+        if o.context_len > o.seq_len:
+            raise ConfigError(
+                f"training.context_len: {o.context_len} exceeds training.seq_len {o.seq_len} in varlen mode"
+            )
+    if o.boundary_policy not in BOUNDARY_POLICIES:
+        raise ConfigError(f"training.boundary_policy: {o.boundary_policy!r} is not one of {BOUNDARY_POLICIES}")
+    if o.mix_by not in MIX_BY:
+        raise ConfigError(f"training.mix_by: {o.mix_by!r} is not one of {MIX_BY}")
+    if o.num_workers < 0:
+        raise ConfigError(f"training.num_workers: {o.num_workers} must be >= 0")
+    if o.prefetch_factor is not None and o.prefetch_factor < 1:
+        raise ConfigError(f"training.prefetch_factor: {o.prefetch_factor} must be >= 1")
+    if o.shuffle_buffer_size < 1:
+        raise ConfigError(f"training.shuffle_buffer_size: {o.shuffle_buffer_size} must be >= 1")
+    if len(o.probs) != len(o.sources):
+        raise ConfigError(f"training.data_probs: {list(o.probs)} does not match {len(o.sources)} sources")
+
+
+def _get(section: Any, name: str, default: Any = None) -> Any:
+    return getattr(section, name, default) if section is not None else default
+
+
+def options_from_job_config(job_config: Any, split: str = "train") -> DataOptions:
+    """Read flame's ``training.*`` (and ``validation.*`` for split="validation") fields."""
+    t = job_config.training
+    batch_size = _get(t, "local_batch_size") or _get(t, "batch_size") or 8
+    seed = _get(t, "seed")
+    if seed is None:
+        seed = _get(_get(job_config, "debug"), "seed")
+    common = dict(
+        varlen=bool(_get(t, "varlen", False)),
+        context_len=int(_get(t, "context_len", 2048) or 2048),
+        text_column=_get(t, "text_column"),
+        mix_by=_get(t, "mix_by", "documents") or "documents",
+        boundary_policy=_get(t, "boundary_policy", "auto") or "auto",
+        mask_cross_document_labels=bool(_get(t, "mask_cross_document_labels", False)),
+        seed=int(seed or 0),
+        num_workers=int(_get(t, "num_workers", 0) or 0),
+        prefetch_factor=_get(t, "prefetch_factor"),
+        pin_memory=bool(_get(t, "pin_memory", False)),
+        persistent_workers=bool(_get(t, "persistent_workers", False)),
+    )
+    if split == "train":
+        sources = parse_sources(
+            _get(t, "dataset"),
+            _get(t, "dataset_name"),
+            _get(t, "dataset_split"),
+            _get(t, "data_dir"),
+            _get(t, "data_files"),
+        )
+        return DataOptions(
+            sources=sources,
+            probs=normalize_probs(_get(t, "data_probs"), len(sources)),
+            batch_size=int(batch_size),
+            seq_len=int(_get(t, "seq_len", 2048)),
+            streaming=bool(_get(t, "streaming", False)),
+            shuffle_buffer_size=int(_get(t, "shuffle_buffer_size", 10000) or 10000),
+            **common,
+        )
+    if split != "validation":
+        raise ConfigError(f"split: {split!r} is not 'train' or 'validation'")
+    v = job_config.validation
+    dataset = _get(v, "dataset_path") or _get(v, "dataset")
+    if not dataset or dataset == "c4_validation":
+        # torchtitan's placeholder default: validate on the held-out split of the training sources.
+        dataset = _get(t, "dataset")
+    sources = parse_sources(dataset, field_prefix="validation")
+    seq_len = int(_get(v, "seq_len", 0) or _get(t, "seq_len", 2048))
+    common["context_len"] = min(common["context_len"], seq_len)
+    # Validation is a fixed, ordered pass in the main process (it is small and must be identical
+    # from one evaluation to the next).
+    common.update(num_workers=0, prefetch_factor=None, persistent_workers=False)
+    return DataOptions(
+        sources=tuple(replace(s, split=s.split or "validation") for s in sources),
+        probs=tuple([1.0 / len(sources)] * len(sources)),
+        batch_size=int(_get(v, "local_batch_size", 0) or batch_size),
+        seq_len=seq_len,
+        streaming=False,
+        shuffle=False,
+        split_role="validation",
+        **common,
+    )
+
+
+def options_for_test(**kw: Any) -> DataOptions:
+    """Build options from keyword arguments (tests, benchmarks, scripts)."""
+    dataset = kw.pop("dataset")
+    sources = parse_sources(
+        dataset,
+        kw.pop("dataset_name", None),
+        kw.pop("dataset_split", None),
+        kw.pop("data_dir", None),
+        kw.pop("data_files", None),
+    )
+    probs = normalize_probs(kw.pop("data_probs", None), len(sources))
+    kw.setdefault("batch_size", 2)
+    kw.setdefault("seq_len", 16)
+    return DataOptions(sources=sources, probs=probs, **kw)

@@ -1,0 +1,208 @@
+"""Opening the entries of ``training.dataset`` as sources of documents (token id arrays).
+
+A map-style source gives random access (``num_docs``, ``fetch(indices)``); a streaming source
+gives an ordered iterator per epoch. Text is tokenized here, in whichever process calls ``fetch``
+(the DataLoader workers), batched; ``input_ids`` columns and token folders are read as they are.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from flame.data.options import SourceSpec
+from flame.data.shards import ShardReader, is_token_folder
+from flame.errors import ConfigError
+
+_BUILDERS = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".txt": "text", ".arrow": "arrow",
+             ".csv": "csv"}
+_BUILDER_NAMES = set(_BUILDERS.values())
+TEXT_COLUMNS = ("text", "content")
+
+
+def _builder_for(files: Sequence[str], what: str) -> str:
+    exts = set()
+    for f in files:
+        name = f[:-3] if f.endswith((".gz", ".zst", ".bz2", ".xz")) else f
+        exts.add(os.path.splitext(name)[1].lower())
+    builders = {_BUILDERS.get(e) for e in exts}
+    if len(builders) != 1 or None in builders:
+        raise ConfigError(f"{what}: cannot tell the format of {list(files)[:3]} (use parquet, json/jsonl, txt or arrow)")
+    return builders.pop()
+
+
+def _expand(pattern: str, what: str) -> list[str]:
+    files = sorted(glob.glob(pattern, recursive=True)) if any(c in pattern for c in "*?[") else [pattern]
+    files = [f for f in files if os.path.isfile(f)]
+    if not files:
+        raise ConfigError(f"{what}: {pattern!r} matches no file")
+    return files
+
+
+def _load_error(spec: SourceSpec, e: Exception) -> ConfigError:
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    if not os.path.exists(spec.path) and spec.path not in _BUILDER_NAMES:
+        return ConfigError(
+            f"training.dataset: {spec.path!r} is not a local path and could not be read from the local "
+            f"Hugging Face cache (name={spec.name!r}, split={spec.split!r}; offline machines need it cached "
+            f"first, e.g. with datasets.load_dataset on a connected machine): {msg}"
+        )
+    return ConfigError(f"training.dataset: {spec.path!r} could not be loaded: {msg}")
+
+
+def open_hf(spec: SourceSpec, split: str, streaming: bool, role: str) -> Any:
+    """Open one entry with ``datasets`` (map-style Dataset or IterableDataset)."""
+    import datasets
+
+    kwargs: dict[str, Any] = {}
+    path = spec.path
+    if spec.data_files:
+        files = [f for p in spec.data_files.split(";") for f in _expand(p.strip(), "training.data_files")]
+        builder = path if path in _BUILDER_NAMES else _builder_for(files, "training.data_files")
+        path, kwargs["data_files"], split = builder, files, "train"
+    elif os.path.isfile(path) or any(c in path for c in "*?["):
+        files = _expand(path, "training.dataset")
+        path, kwargs["data_files"], split = _builder_for(files, "training.dataset"), files, "train"
+    elif not os.path.exists(path) and ("/" not in path or path.count("/") > 1) and path.startswith((".", "/")):
+        raise ConfigError(f"training.dataset: {path!r} does not exist")
+    if path == "text":
+        kwargs["sample_by"] = "document"  # one document per .txt file
+    if os.path.isdir(path) and (os.path.isfile(os.path.join(path, "dataset_dict.json"))
+                                or os.path.isfile(os.path.join(path, "state.json"))):
+        ds = datasets.load_from_disk(path)
+        if isinstance(ds, datasets.DatasetDict):
+            ds = ds[_pick_split(list(ds.keys()), split, role, spec)]
+        return ds.to_iterable_dataset() if streaming else ds
+    try:
+        if role == "validation" and "data_files" not in kwargs:
+            builder = datasets.load_dataset_builder(path, spec.name, data_dir=spec.data_dir, **kwargs)
+            split = _pick_split(list((builder.info.splits or {}).keys()) or [split], split, role, spec)
+        return datasets.load_dataset(path, spec.name, data_dir=spec.data_dir, split=split,
+                                     streaming=streaming, **kwargs)
+    except ConfigError:
+        raise
+    except (FileNotFoundError, ConnectionError, OSError, ValueError) as e:
+        raise _load_error(spec, e) from None
+    except Exception as e:  # datasets raises many types (DatasetNotFoundError, HfHubHTTPError, ...)
+        if type(e).__module__.startswith(("datasets", "huggingface_hub", "requests", "httpx")):
+            raise _load_error(spec, e) from None
+        raise
+
+
+def _pick_split(available: list[str], wanted: str, role: str, spec: SourceSpec) -> str:
+    if wanted in available:
+        return wanted
+    if role == "validation" and not spec.split:
+        for alt in ("validation", "valid", "val", "test"):
+            if alt in available:
+                return alt
+    raise ConfigError(f"training.dataset_split: {wanted!r} is not a split of {spec.path!r} (it has {available})")
+
+
+def pick_column(columns: Sequence[str], text_column: str | None, where: str) -> tuple[str, bool]:
+    """(column, is_token_ids)."""
+    if text_column:
+        if text_column not in columns:
+            raise ConfigError(f"training.text_column: {text_column!r} is not a column of {where} (columns: {list(columns)})")
+        return text_column, text_column == "input_ids"
+    if "input_ids" in columns:
+        return "input_ids", True
+    for c in TEXT_COLUMNS:
+        if c in columns:
+            return c, False
+    raise ConfigError(
+        f"training.text_column: {where} has no 'text', 'content' or 'input_ids' column (columns: {list(columns)}); "
+        "set training.text_column"
+    )
+
+
+class Tokenize:
+    """Batched text -> token ids (no special tokens: boundaries are added by the packer)."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+
+    def __call__(self, texts: list[str]) -> list[np.ndarray]:
+        ids = self.tokenizer(list(texts), add_special_tokens=False, return_attention_mask=False)["input_ids"]
+        return [np.asarray(x, dtype=np.int64) for x in ids]
+
+
+class MapSource:
+    """A map-style ``datasets.Dataset`` (text or ``input_ids``) or a token folder."""
+
+    streaming = False
+
+    def __init__(self, name: str, dataset: Any = None, column: str | None = None, token_ids: bool = False,
+                 reader: ShardReader | None = None, tokenize: Tokenize | None = None):
+        self.name = name
+        self.reader = reader
+        self.column = column
+        self.token_ids = token_ids
+        self.tokenize = tokenize
+        self.dataset = dataset.select_columns([column]) if dataset is not None else None
+        self.num_docs = reader.num_docs if reader is not None else len(self.dataset)
+        if self.num_docs == 0:
+            raise ConfigError(f"training.dataset: {name!r} is empty (0 documents)")
+
+    def fetch(self, indices: np.ndarray) -> list[np.ndarray]:
+        if self.reader is not None:
+            return [self.reader.doc(int(i)) for i in indices]
+        # Read in sorted order (Arrow is faster on ascending indices), then restore the request order.
+        order = np.argsort(indices, kind="stable")
+        rows = self.dataset[[int(i) for i in np.asarray(indices)[order]]][self.column]
+        if self.token_ids:
+            docs = [np.asarray(r, dtype=np.int64) for r in rows]
+        else:
+            docs = self.tokenize([r if r is not None else "" for r in rows])
+        out: list[np.ndarray] = [None] * len(docs)  # type: ignore[list-item]
+        for pos, d in zip(order, docs):
+            out[pos] = d
+        return out
+
+
+class StreamSource:
+    """A streaming ``datasets.IterableDataset``: read in order, never downloaded as a whole."""
+
+    streaming = True
+    num_docs = None
+
+    def __init__(self, name: str, dataset: Any, column: str, token_ids: bool, tokenize: Tokenize | None):
+        self.name = name
+        self.dataset = dataset
+        self.column = column
+        self.token_ids = token_ids
+        self.tokenize = tokenize
+
+    def raw(self) -> Iterator[Any]:
+        """The source's items in their stored order (one epoch)."""
+        for row in self.dataset:
+            yield row[self.column]
+
+    def convert(self, items: list[Any]) -> list[np.ndarray]:
+        if self.token_ids:
+            return [np.asarray(x, dtype=np.int64) for x in items]
+        return self.tokenize([x if x is not None else "" for x in items])
+
+
+def open_source(spec: SourceSpec, tokenizer: Any, text_column: str | None, streaming: bool,
+                role: str = "train") -> MapSource | StreamSource:
+    split = spec.split or ("validation" if role == "validation" else "train")
+    tokenize = Tokenize(tokenizer)
+    if os.path.isdir(spec.path) and is_token_folder(spec.path):
+        # Token folders are random access already; streaming adds nothing, so they are read map-style.
+        return MapSource(spec.path, reader=ShardReader(spec.path))
+    ds = open_hf(spec, split, streaming, role)
+    if streaming:
+        columns = list(ds.column_names or [])
+        if not columns:
+            first = next(iter(ds), None)
+            if first is None:
+                raise ConfigError(f"training.dataset: {spec.path!r} is empty (0 documents)")
+            columns = list(first.keys())
+        column, ids = pick_column(columns, text_column, repr(spec.path))
+        return StreamSource(spec.path, ds, column, ids, tokenize)
+    column, ids = pick_column(ds.column_names, text_column, repr(spec.path))
+    return MapSource(spec.path, dataset=ds, column=column, token_ids=ids, tokenize=tokenize)
