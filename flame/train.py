@@ -22,6 +22,8 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.tools.logging import init_logger, logger
 
+import torch.distributed._functional_collectives as funcol
+
 from flame.components.loss import IGNORE_INDEX, cross_entropy_sum
 from flame.components.metrics import MetricsLogger
 from flame.components.optimizer import build_optimizers
@@ -65,6 +67,11 @@ def _parallel_dims(cfg, world_size: int) -> ParallelDims:
         ) from None
 
 
+def all_sum(x: torch.Tensor, mesh) -> torch.Tensor:
+    """Sum over a mesh without a host sync (torchtitan's dist_sum returns a Python float)."""
+    return funcol.all_reduce(x, reduceOp="sum", group=mesh) if mesh is not None else x
+
+
 class Trainer(Stateful):
     def __init__(self, cfg):
         self.cfg = cfg
@@ -100,7 +107,7 @@ class Trainer(Stateful):
             f"Model {self.model_config.model_type} from {cfg.model.config}: {self.n_params:,} parameters, vocab {vocab}"
         )
         if self.device.type == "cpu":
-            from flame.models.fla_cpu import enable_cpu_fallbacks
+            from flame.models.cpu import enable_cpu_fallbacks
 
             enable_cpu_fallbacks()
 
@@ -202,9 +209,7 @@ class Trainer(Stateful):
 
         # normalize by the target tokens of the whole optimizer step, over all DP ranks
         local_tokens = sum((b["labels"] != IGNORE_INDEX).sum() for b in batches)
-        global_tokens = (
-            dist_utils.dist_sum(local_tokens.float(), pd.get_mesh("batch")) if pd.dp_enabled else local_tokens.float()
-        )
+        global_tokens = all_sum(local_tokens.float(), pd.get_optional_mesh("batch"))
         loss_total = torch.zeros((), device=self.device)
         for batch in batches:
             loss = self.forward_loss_sum(batch) / global_tokens.clamp(min=1)
@@ -227,7 +232,7 @@ class Trainer(Stateful):
         self.optimizers.zero_grad()
 
         if self.metrics.should_log(self.step):
-            loss_value = (dist_utils.dist_sum(loss_total, pd.get_mesh("loss")) if pd.dp_cp_enabled else loss_total).item()
+            loss_value = all_sum(loss_total, pd.get_optional_mesh("loss")).item()
             self.metrics.log(self.step, loss_value, float(grad_norm), lr, {"tokens_seen": self.ntokens_seen * self.dp_degree})
 
     def clip_and_step(self) -> tuple[torch.Tensor, bool]:
@@ -257,9 +262,8 @@ class Trainer(Stateful):
             batch = self._to_device(next(it))
             loss_sum += self.forward_loss_sum(batch)
             tokens += (batch["labels"] != IGNORE_INDEX).sum()
-        if self.parallel_dims.dp_enabled:
-            mesh = self.parallel_dims.get_mesh("batch")
-            loss_sum, tokens = dist_utils.dist_sum(loss_sum, mesh), dist_utils.dist_sum(tokens, mesh)
+        mesh = self.parallel_dims.get_optional_mesh("batch")
+        loss_sum, tokens = all_sum(loss_sum, mesh), all_sum(tokens.float(), mesh)
         loss = (loss_sum / tokens.clamp(min=1)).item()
         self.metrics.log_scalars("validation", {"loss": loss, "perplexity": float(torch.exp(torch.tensor(loss)))}, self.step)
         self.model.train()
@@ -289,14 +293,15 @@ class Trainer(Stateful):
                     self.validate()
                 if prof:
                     prof.step()
-                if self.step == 1:
+                if self.step == 1 and self.device.type == "cuda":
+                    # shorter timeout once compilation and lazy init are done (its barrier is CUDA-only)
                     dist_utils.set_pg_timeouts(timedelta(seconds=cfg.comm.train_timeout_seconds), self.parallel_dims)
         self.export_hf()
 
     def export_hf(self) -> None:
         if not self.cfg.checkpoint.export_hf:
             return
-        from flame.utils.hf_export import export_trained_model
+        from flame.components.export import export_trained_model
 
         export_trained_model(self)
 

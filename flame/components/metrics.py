@@ -3,6 +3,8 @@
 Everything that needs a host sync (``.item()``) happens here, on log steps only.
 """
 
+import json
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -46,6 +48,12 @@ class MetricsLogger:
         self.last_step = self.start_step
         self.world = max(self.parallel_dims.world_size, 1)
         self.dp = self.parallel_dims.dp_replicate * self.parallel_dims.dp_shard * self.parallel_dims.cp
+        # one JSON record per log step, for scripts and tests (rank 0 only)
+        self.jsonl = (
+            os.path.join(self.job_config.job.dump_folder, "metrics.jsonl")
+            if torch.distributed.get_rank() == 0
+            else None
+        )
 
     def reset_clock(self, step: int) -> None:
         self.last_time = time.perf_counter()
@@ -86,6 +94,9 @@ class MetricsLogger:
         rate = (now - self.run_start) / max(done, 1)
         eta = rate * (self.total_steps - step)
         self.history.append((step, record))
+        if self.jsonl:
+            with open(self.jsonl, "a") as f:
+                f.write(json.dumps({"step": step, **record}) + "\n")
         self.backend.log({f"train/{k}": v for k, v in record.items()}, step)
         parts = [
             f"step {step:>6}/{self.total_steps}",
@@ -111,7 +122,11 @@ class MetricsLogger:
         return record
 
     def log_scalars(self, prefix: str, values: dict, step: int) -> None:
-        self.backend.log({f"{prefix}/{k}": v for k, v in values.items()}, step)
+        named = {f"{prefix}/{k}": v for k, v in values.items()}
+        self.backend.log(named, step)
+        if self.jsonl:
+            with open(self.jsonl, "a") as f:
+                f.write(json.dumps({"step": step, **named}) + "\n")
         logger.info(f"{prefix} step {step}: " + "  ".join(f"{k} {v:.4f}" for k, v in values.items()))
 
     def close(self) -> None:

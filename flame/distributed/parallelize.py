@@ -106,17 +106,18 @@ def apply_fsdp(model: nn.Module, mesh, job_config, force_sum: bool) -> None:
 
 def parallelize(model: nn.Module, parallel_dims, job_config, device: torch.device):
     """Return ``(model, offload_engine_or_None)`` with every parallelism applied (still on meta)."""
-    from flame.offload import apply_offload
-
     if parallel_dims.tp_enabled:
         apply_tp(model, parallel_dims.get_mesh("tp"))
     apply_ac(model, job_config.activation_checkpoint)
     if job_config.compile.enable:
         apply_compile(model, job_config.compile)
 
-    engine = apply_offload(model, job_config, parallel_dims, device)
-    if engine is not None:
-        return model, engine
+    if job_config.offload.enable != "off":
+        from flame.offload import apply_offload
+
+        engine = apply_offload(model, job_config, parallel_dims, device)
+        if engine is not None:
+            return model, engine
 
     if parallel_dims.fsdp_enabled:
         names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]

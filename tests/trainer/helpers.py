@@ -1,0 +1,54 @@
+"""Run flame jobs and torchrun scripts as subprocesses, as a user would."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TOML = os.path.join(ROOT, "flame/models/fla.toml")
+TINY_LLAMA = os.path.join(ROOT, "tests/assets/tiny_llama.json")
+TOKENIZER = os.path.join(ROOT, "flame/assets/tokenizer")
+CORPUS = os.path.join(ROOT, "flame/assets/sample_corpus")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(nproc: int, target: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+           "--master_port", str(free_port()), *target]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+
+
+def tiny_job(dump: str, *extra: str, config: str = TINY_LLAMA) -> list[str]:
+    """A few-second CPU job on the bundled corpus and tokenizer."""
+    return [
+        "--job.config_file", TOML, "--job.dump_folder", dump,
+        "--model.config", config, "--model.tokenizer_path", TOKENIZER,
+        "--training.dataset", CORPUS, "--training.batch_size", "4", "--training.seq_len", "64",
+        "--training.num_workers", "0", "--training.mixed_precision_param", "float32",
+        "--optimizer.lr", "3e-3", "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1",
+        "--checkpoint.no-export-hf", "--offload.enable", "off", *extra,
+    ]
+
+
+def run_job(nproc: int, dump: str, *extra: str, config: str = TINY_LLAMA, timeout: int = 300):
+    proc = torchrun(nproc, ["-m", "flame.train", *tiny_job(dump, *extra, config=config)], timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"job failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def metrics(dump: str) -> list[dict]:
+    with open(os.path.join(dump, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def losses(dump: str) -> list[float]:
+    return [r["loss"] for r in metrics(dump) if "loss" in r]
