@@ -67,7 +67,8 @@ def unit_host_bytes(u: UnitCosts, mode: str, dt: Dtypes) -> tuple[int, int]:
     if mode == "gpu":
         return 0, 0
     pinned = u.numel * 2 * dt.c  # compute copy the GPU streams from + grad staging it writes to
-    return pinned + u.numel * (dt.master_extra + dt.grad_extra + dt.moments), pinned
+    # the host always keeps a grad accumulator (rounds > 1 add into it while the staging refills)
+    return pinned + u.numel * (dt.master_extra + DTYPE_BYTES[dt.grad] + dt.moments), pinned
 
 
 @dataclass
@@ -163,7 +164,7 @@ def predict(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, layer_modes, l
     mem = sum(unit_gpu_bytes(u, m, dt) for u, m in zip(units, modes))
     streamed = [u.numel for u, m in zip(units, modes) if m == "stream"]
     if streamed:
-        mem += (depth + 2) * max(streamed) * c + 2 * max(streamed) * c  # weight slots + grad slots
+        mem += (depth + 3) * max(streamed) * c + 2 * max(streamed) * c  # weight slots + grad slots (see engine)
     act = sum(scale * (u.act_keep_bytes if a == "keep" else u.act_recompute_bytes) for u, a in zip(layers, layer_acts))
     act += scale * outer.act_keep_bytes
     # transient of a backward: the recomputed block's activations + its gradient buffers; the loss's

@@ -1,0 +1,544 @@
+"""The offload engine: executes a Plan on a model, block by block.
+
+Every unit (a decoder block, or "outer" = everything else: embeddings, final norm, head) owns
+flat buffers; its module parameters become views into its compute-dtype flat buffer:
+- gpu:      compute copy, grads, master and moments on the GPU; fused GPU AdamW.
+- host_opt: compute copy resident on the GPU; grads D2H after the unit's backward; master and
+            moments on the host; fused CPU AdamW writes the new compute copy into a pinned buffer
+            that is copied H2D once before the unit's next forward.
+- stream:   like host_opt, but the compute copy lives only in a rotating pool of GPU slots,
+            filled from the pinned buffer `prefetch_depth` blocks ahead, in the forward and again
+            in the backward. Saved tensors that are slot weights are stored as (unit, offset,
+            shape, stride) and re-materialized from the unit's current slot in the backward.
+Only streams and events order GPU work; the host waits for the GPU once per step (the global
+grad norm the CPU optimizer needs) and on the CPU thread (D2H done before the CPU reads).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+from flame.errors import ConfigError
+from flame.offload.costs import find_blocks
+from flame.offload.runtime.streams import Streams, register_pinned, unregister_pinned
+from flame.offload.solver import Plan
+
+DT = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.dtype == b.dtype
+
+
+class Unit:
+    def __init__(self, idx: int, name: str, params: list[tuple[str, nn.Parameter]], mode: str, act: str):
+        self.idx, self.name, self.mode, self.act = idx, name, mode, act
+        self.params = params  # (fqn, param), unique params
+        self.offsets, off = [], 0
+        for _, p in params:
+            self.offsets.append(off)
+            off += p.numel()
+        self.numel = off
+        self.slot = None  # stream: the GPU slot holding the weights
+        self.gslot = None
+        self.ready = None  # event: weights on the GPU
+        self.g_free = None  # event: GPU grad buffer free again
+        self.d2h_done = None
+        self.cpu_done = threading.Event()
+        self.cpu_done.set()
+        self.stage_free = threading.Event()
+        self.stage_free.set()
+        self.count = 0
+        self.flushed = False
+        self.needs_h2d = False
+
+    def bind(self, flat: torch.Tensor, grad: bool = False) -> None:
+        for (_, p), o in zip(self.params, self.offsets):
+            v = flat[o:o + p.numel()].view(p.shape)
+            if grad:
+                p.grad = v
+            else:
+                p.data = v
+
+
+class _Slot:
+    def __init__(self, buf):
+        self.buf, self.owner, self.free, self.last_use = buf, None, None, -1
+
+
+class OffloadEngine:
+    def __init__(self, model: nn.Module, plan: Plan, device: torch.device, lr: float = 1e-3,
+                 betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0, description: str = ""):
+        self.model, self.plan, self.device = model, plan, torch.device(device)
+        self.description = description
+        dts = plan.dtypes
+        self.cdt, self.mdt, self.gdt, self.odt = (DT[dts[k]] for k in ("compute", "master", "grad", "moment"))
+        if self.odt != self.mdt:
+            raise ConfigError(f"offload.moment_dtype={dts['moment']}: torch AdamW keeps moments in the master dtype ({dts['master']})")
+        self.s = Streams(self.device)
+        self.cuda = self.s.cuda
+        self.pin = self.cuda
+        self.lr, self.betas, self.eps, self.wd = lr, betas, eps, weight_decay
+        self.rounds = plan.rounds
+        self.depth = plan.prefetch_depth
+        self.round = 0
+        self.use_counter = 0
+        self.pinned_ptrs: list[int] = []
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-cpu")
+        self.cpu_threads = plan.cpu_threads
+        blocks_name, blocks = find_blocks(model)
+        if len(blocks) != len(plan.layer_modes):
+            raise ConfigError(f"offload.plan: {len(plan.layer_modes)} blocks in the plan, model has {len(blocks)}")
+        self.blocks = blocks
+        fqn_of = {}
+        for n, p in model.named_parameters(remove_duplicate=False):
+            fqn_of.setdefault(id(p), []).append(n)
+        self.fqns = fqn_of  # every name of a (possibly tied) parameter
+        block_ids = set()
+        units = []
+        for i, b in enumerate(blocks):
+            ps = [(fqn_of[id(p)][0], p) for p in b.parameters()]
+            block_ids |= {id(p) for _, p in ps}
+            units.append(Unit(i + 1, f"{blocks_name}.{i}", ps, plan.layer_modes[i], plan.layer_acts[i]))
+        outer = [(fqn_of[id(p)][0], p) for p in model.parameters() if id(p) not in block_ids]
+        self.units = [Unit(0, "outer", outer, plan.outer_mode, "keep")] + units
+        for mod in model.modules():  # buffers (rotary tables, ...) live on the compute device
+            for k, b in list(mod._buffers.items()):
+                if b is not None:
+                    mod._buffers[k] = b.to(self.device)
+        self._build_buffers()
+        self._install_hooks()
+        self.gpu_sq = torch.zeros((), dtype=torch.float32, device=self.device)
+
+    # ------------------------------------------------------------------ buffers
+    def _flat_from_params(self, u: Unit, dtype, device, pin=False) -> torch.Tensor:
+        t = torch.empty(u.numel, dtype=dtype, device=device)
+        for (_, p), o in zip(u.params, u.offsets):
+            t[o:o + p.numel()].copy_(p.data.reshape(-1))
+        return t
+
+    def _build_buffers(self) -> None:
+        dev, cpu = self.device, torch.device("cpu")
+        host_units = [u for u in self.units if u.mode != "gpu"]
+        stream_units = [u for u in self.units if u.mode == "stream"]
+        for u in self.units:
+            on_gpu = u.mode == "gpu"
+            mdev = dev if on_gpu else cpu
+            master = self._flat_from_params(u, self.mdt, mdev)
+            if u.mode == "gpu":
+                u.w = master if self.mdt == self.cdt else master.to(self.cdt)
+            else:
+                # the pinned compute copy the GPU streams from (exact size, registered below)
+                u.w_host = master.to(self.cdt) if self.mdt != self.cdt else master
+                if u.w_host is master and self.pin:
+                    u.w_host = master.clone()  # the H2D source must not be the tensor AdamW writes mid-copy
+                u.g_stage = torch.zeros(u.numel, dtype=self.cdt)
+                u.gacc = torch.zeros(u.numel, dtype=self.gdt)
+                u.w = torch.empty(u.numel, dtype=self.cdt, device=dev) if u.mode == "host_opt" else None
+                if u.w is not None:
+                    u.w.copy_(u.w_host)
+            u.master = nn.Parameter(master, requires_grad=False)
+            u.g = torch.zeros(u.numel, dtype=self.cdt, device=dev) if u.mode != "stream" else None
+            if u.mode == "gpu":
+                u.gacc = u.g if self.gdt == self.cdt else torch.zeros(u.numel, dtype=self.gdt, device=dev)
+            u.opt = torch.optim.AdamW([u.master], lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.wd, fused=True)
+            if u.w is not None:
+                u.bind(u.w)
+            if u.g is not None:
+                u.bind(u.g, grad=True)
+        if self.pin:
+            # page-lock in the background while the GPU side is set up; joined before the first forward
+            def pin_all():
+                for u in host_units:
+                    self.pinned_ptrs += register_pinned(u.w_host) + register_pinned(u.g_stage)
+
+            self._pin_thread = threading.Thread(target=pin_all, daemon=True)
+            self._pin_thread.start()
+        else:
+            self._pin_thread = None
+        if stream_units:
+            big = max(u.numel for u in stream_units)
+            # depth+1 ahead of (or behind) the running block, the running block, and the block whose
+            # backward may still be finishing (protected until its grads are out)
+            self.slots = [_Slot(torch.empty(big, dtype=self.cdt, device=dev)) for _ in range(self.depth + 3)]
+            self.gslots = [_Slot(torch.empty(big, dtype=self.cdt, device=dev)) for _ in range(2)]
+            self.slot_ptrs = {s.buf.untyped_storage().data_ptr(): s for s in self.slots}
+            for u in stream_units:  # params point nowhere until fetched
+                u.bind(self.slots[0].buf[: u.numel])
+        else:
+            self.slots, self.gslots, self.slot_ptrs = [], [], {}
+        for u in host_units:
+            u.needs_h2d = False  # the initial compute copies are already in place
+
+    # ------------------------------------------------------------------ fetching
+    def _fetch(self, u: Unit, protect: set[int]) -> None:
+        """Make `u`'s weights available on the GPU (issue the H2D on the copy stream)."""
+        if u.mode == "gpu":
+            return
+        if u.mode == "host_opt":
+            if not u.needs_h2d:
+                return
+            u.cpu_done.wait()
+            with self.s.on(self.s.h2d):
+                u.w.copy_(u.w_host, non_blocking=True)
+                u.ready = self.s.record(self.s.h2d)
+            u.h2d_src_done = u.ready
+            u.needs_h2d = False
+            return
+        self.use_counter += 1
+        if u.slot is not None and u.slot.owner is u:
+            u.slot.last_use = self.use_counter
+            return
+        u.cpu_done.wait()
+        cands = [s for s in self.slots if s.owner is None or s.owner.idx not in protect]
+        slot = min(cands, key=lambda s: s.last_use)
+        if slot.owner is not None:
+            slot.owner.slot = None
+        slot.owner, slot.last_use, u.slot = u, self.use_counter, slot
+        with self.s.on(self.s.h2d):
+            self.s.wait(self.s.h2d, slot.free)
+            slot.buf[: u.numel].copy_(u.w_host, non_blocking=True)
+            u.ready = self.s.record(self.s.h2d)
+        u.h2d_src_done = u.ready
+        u.bind(slot.buf[: u.numel])
+
+    def _use(self, u: Unit) -> None:
+        """The compute stream waits for `u`'s weights."""
+        if u.mode != "gpu" and u.ready is not None and self.cuda:
+            torch.cuda.current_stream().wait_event(u.ready)
+
+    def _release(self, u: Unit) -> None:
+        if u.slot is not None:
+            u.slot.free = self.s.record()
+
+    # ------------------------------------------------------------------ hooks
+    def _install_hooks(self) -> None:
+        n = len(self.blocks)
+        self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self.model.register_forward_pre_hook(self._model_pre)
+        self.model.register_forward_hook(self._model_post)
+        for i, b in enumerate(self.blocks):
+            u = self.units[i + 1]
+            b.register_forward_pre_hook(self._block_pre(u, i, n))
+            b.register_forward_hook(self._block_post(u))
+            if u.act == "recompute":
+                orig = b.forward
+                b.forward = lambda *a, _f=orig, **k: checkpoint(_f, *a, use_reentrant=False, **k)
+        for u in self.units:
+            for _, p in u.params:
+                p.register_post_accumulate_grad_hook(self._acc_hook(u))
+
+    def _model_pre(self, mod, args):
+        if self._pin_thread is not None:
+            self._pin_thread.join()
+            self._pin_thread = None
+        outer = self.units[0]
+        self._fetch(outer, set())
+        for j in range(1, min(len(self.units), self.depth + 2)):
+            self._fetch(self.units[j], set(range(1, self.depth + 2)))
+        self._use(outer)
+        if self.cuda:  # grads of the last round left the GPU buffers before they refill
+            for u in self.units:
+                if u.mode == "host_opt" and u.g_free is not None:
+                    torch.cuda.current_stream().wait_event(u.g_free)
+        for u in self.units:
+            u.count, u.flushed = 0, False
+        self._bwd_started = False
+        self._saved_hooks.__enter__()
+
+    def _model_post(self, mod, args, out):
+        self._saved_hooks.__exit__(None, None, None)
+
+    def _block_pre(self, u: Unit, i: int, n: int):
+        def hook(mod, args):
+            protect = set(range(u.idx, u.idx + self.depth + 1))
+            for j in range(u.idx, min(u.idx + self.depth + 1, n + 1)):
+                self._fetch(self.units[j], protect)
+            self._use(u)
+
+        return hook
+
+    def _block_post(self, u: Unit):
+        def hook(mod, args, out):
+            self._release(u)
+            t = out[0] if isinstance(out, (tuple, list)) else out
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(lambda g: self._bwd_start(u) or None)
+
+        return hook
+
+    def _bwd_start(self, u: Unit) -> None:
+        if not self._bwd_started:
+            self._bwd_started = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._bwd_end)
+        protect = set(range(max(1, u.idx - self.depth), u.idx + 2))
+        for j in range(u.idx, max(0, u.idx - self.depth - 1), -1):
+            self._fetch(self.units[j], protect)
+        self._use(u)
+        if u.mode == "stream":
+            gs = min(self.gslots, key=lambda s: s.last_use)
+            self.use_counter += 1
+            gs.owner, gs.last_use, u.gslot = u, self.use_counter, gs
+            self.s.wait(self.s.current(), gs.free)
+            u.g = gs.buf[: u.numel]
+            u.g.zero_()
+            u.bind(u.g, grad=True)
+
+    def _acc_hook(self, u: Unit):
+        total = len(u.params)
+
+        def hook(p):
+            u.count += 1
+            if u.count == total:
+                self._grads_ready(u)
+
+        return hook
+
+    def _bwd_end(self) -> None:
+        for u in self.units:
+            if not u.flushed:
+                self._grads_ready(u)
+        self.round += 1
+
+    def _grads_ready(self, u: Unit) -> None:
+        """All of `u`'s grads of this micro-batch are in u.g: accumulate or send to the host."""
+        if u.flushed:
+            return
+        u.flushed = True
+        last = self.round == self.rounds - 1
+        if u.mode == "gpu":
+            if u.gacc is not u.g:
+                u.gacc.add_(u.g)
+                u.g.zero_()
+            return
+        if u.mode == "stream":
+            self._release(u)
+        if last and self.rounds == 1:
+            # the norm of the full grad, computed on the GPU while the copy runs
+            self.gpu_sq += torch.linalg.vector_norm(u.g, dtype=torch.float32).square()
+        u.stage_free.wait()
+        u.stage_free.clear()
+        cur = self.s.current()
+        with self.s.on(self.s.d2h):
+            if self.cuda:
+                self.s.d2h.wait_stream(cur)
+            u.g_stage.copy_(u.g, non_blocking=True)
+            if u.mode == "host_opt":
+                u.g.zero_()
+            u.d2h_done = self.s.record(self.s.d2h)
+        u.g_free = u.d2h_done
+        if u.gslot is not None:
+            u.gslot.free = u.d2h_done
+        first = self.round == 0
+        ev = u.d2h_done
+
+        def accumulate():
+            ev.synchronize()
+            if first:
+                u.gacc.copy_(u.g_stage)
+            else:
+                u.gacc.add_(u.g_stage)
+            u.stage_free.set()
+
+        self.pool.submit(accumulate)
+
+    # ------------------------------------------------------------------ saved tensors
+    def _pack(self, t: torch.Tensor):
+        if self.slot_ptrs and t.device.type == self.device.type:
+            slot = self.slot_ptrs.get(t.untyped_storage().data_ptr())
+            if slot is not None and slot.owner is not None:
+                return ("w", slot.owner, t.storage_offset(), tuple(t.shape), t.stride())
+        return t
+
+    def _unpack(self, x):
+        if isinstance(x, tuple):
+            _, u, off, shape, stride = x
+            return torch.as_strided(u.slot.buf, shape, stride, off)
+        return x
+
+    # ------------------------------------------------------------------ optimizer
+    def _wait_cpu(self) -> None:
+        self.pool.submit(lambda: None).result()
+
+    def optimizer_step(self, max_norm: float = 0.0, skip_nan_inf: bool = False, lr: float | None = None):
+        """Clip by the global grad norm, step every unit; returns (grad_norm, skipped).
+
+        GPU units step now; host units are stepped on the CPU thread in forward order, each
+        writing its new compute copy into the pinned buffer; the next forward waits per unit."""
+        if lr is not None:
+            self.lr = lr
+        rounds_seen = self.round
+        self._wait_cpu()  # all accumulations queued by the backward are done (they wait on D2H events)
+        sq = self.gpu_sq.clone()
+        gpu_units = [u for u in self.units if u.mode == "gpu"]
+        host_units = [u for u in self.units if u.mode != "gpu"]
+        if gpu_units:
+            norms = torch._foreach_norm([u.gacc for u in gpu_units], 2, dtype=torch.float32) if hasattr(torch, "_foreach_norm") else None
+            sq = sq + torch.stack([x.float() for x in norms]).square().sum()
+        cpu_sq = 0.0
+        if rounds_seen != 1 or self.rounds != 1:
+            cpu_sq = sum(float(torch.linalg.vector_norm(u.gacc, dtype=torch.float32) ** 2) for u in host_units)
+            sq = sq - self.gpu_sq  # the GPU partial norms only hold for a single round
+        v = float(sq.item()) + cpu_sq  # the one host sync of the step
+        total = math.sqrt(v) if math.isfinite(v) and v > 0 else (v if not math.isfinite(v) else 0.0)
+        self.gpu_sq.zero_()
+        self.round = 0
+        skipped = skip_nan_inf and not math.isfinite(total)
+        if skipped:
+            self.zero_grad()
+            return torch.tensor(total), True
+        coef = min(1.0, max_norm / (total + 1e-6)) if max_norm and max_norm > 0 else 1.0
+        for u in gpu_units:
+            if coef != 1.0:
+                u.gacc.mul_(coef)
+            u.master.grad = u.gacc if u.gacc.dtype == u.master.dtype else u.gacc.to(u.master.dtype)
+            u.opt.param_groups[0]["lr"] = self.lr
+            u.opt.step()
+            u.master.grad = None
+            if not _same(u.w, u.master):
+                u.w.copy_(u.master.data)
+            u.g.zero_()
+            if u.gacc is not u.g:
+                u.gacc.zero_()
+        for u in host_units:
+            u.cpu_done.clear()
+            u.needs_h2d = u.mode == "host_opt"
+            if u.slot is not None:  # the slot holds the old weights: the next forward refetches
+                u.slot.owner, u.slot = None, None
+            src_done = getattr(u, "h2d_src_done", None)
+            self.pool.submit(self._cpu_step, u, coef, self.lr, src_done)
+        return torch.tensor(total), False
+
+    def _cpu_step(self, u: Unit, coef: float, lr: float, src_done) -> None:
+        try:
+            if self.cpu_threads:
+                torch.set_num_threads(self.cpu_threads)
+            if src_done is not None:
+                src_done.synchronize()  # the last H2D read of w_host has finished
+            if coef != 1.0:
+                u.gacc.mul_(coef)
+            u.master.grad = u.gacc if u.gacc.dtype == u.master.dtype else u.gacc.to(u.master.dtype)
+            u.opt.param_groups[0]["lr"] = lr
+            u.opt.step()
+            u.master.grad = None
+            if not _same(u.w_host, u.master):
+                u.w_host.copy_(u.master.data)
+        finally:
+            u.cpu_done.set()
+
+    def zero_grad(self) -> None:
+        self._wait_cpu()
+        for u in self.units:
+            if u.g is not None and u.mode != "stream":
+                u.g.zero_()
+            u.gacc.zero_()
+        self.gpu_sq.zero_()
+        self.round = 0
+
+    def synchronize(self) -> None:
+        """Wait for the CPU optimizer and all copies (before checkpointing or evaluation)."""
+        self._wait_cpu()
+        for u in self.units:
+            u.cpu_done.wait()
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    # ------------------------------------------------------------------ state dict
+    def _views(self, u: Unit, flat: torch.Tensor):
+        for (fqn, p), o in zip(u.params, u.offsets):
+            yield fqn, p, flat[o:o + p.numel()].view(p.shape)
+
+    def model_state_dict(self) -> dict[str, torch.Tensor]:
+        """Master weights under the names `model.state_dict()` uses (tied names included)."""
+        self.synchronize()
+        out = {}
+        for u in self.units:
+            for fqn, p, v in self._views(u, u.master.data):
+                for name in self.fqns[id(p)]:
+                    out[name] = v
+        persistent = self.model.state_dict().keys()
+        for name, b in self.model.named_buffers():
+            if name in persistent:
+                out[name] = b
+        return out
+
+    def load_model_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        self.synchronize()
+        for u in self.units:
+            for fqn, p, v in self._views(u, u.master.data):
+                if fqn not in sd:
+                    raise ConfigError(f"checkpoint: missing key {fqn!r}")
+                v.copy_(sd[fqn].reshape(v.shape))
+            self._refresh_compute(u)
+
+    def _refresh_compute(self, u: Unit) -> None:
+        if u.mode == "gpu":
+            if not _same(u.w, u.master):
+                u.w.copy_(u.master.data)
+        else:
+            if not _same(u.w_host, u.master):
+                u.w_host.copy_(u.master.data)
+            if u.mode == "host_opt":
+                u.w.copy_(u.w_host)
+            elif u.slot is not None:
+                u.slot.owner, u.slot = None, None
+
+    def optimizer_state_dict(self) -> dict:
+        """Flattened like torch.distributed.checkpoint's get_optimizer_state_dict:
+        state.<fqn>.{step,exp_avg,exp_avg_sq} and param_groups.<fqn>.<option>."""
+        self.synchronize()
+        out = {}
+        for u in self.units:
+            st = u.opt.state.get(u.master, {})
+            group = {k: v for k, v in u.opt.param_groups[0].items() if k != "params"}
+            for fqn, p, _ in self._views(u, u.master.data):
+                o = u.offsets[[q is p for _, q in u.params].index(True)]
+                for k in ("exp_avg", "exp_avg_sq"):
+                    if k in st:
+                        out[f"state.{fqn}.{k}"] = st[k][o:o + p.numel()].view(p.shape)
+                if "step" in st:
+                    out[f"state.{fqn}.step"] = st["step"]
+                for k, v in group.items():
+                    out[f"param_groups.{fqn}.{k}"] = v
+        return out
+
+    def load_optimizer_state_dict(self, sd: dict) -> None:
+        self.synchronize()
+        for u in self.units:
+            fqn0 = u.params[0][0]
+            if f"state.{fqn0}.exp_avg" not in sd:
+                continue
+            st = {"step": torch.as_tensor(sd[f"state.{fqn0}.step"], dtype=torch.float32).clone().reshape(())}
+            for k in ("exp_avg", "exp_avg_sq"):
+                flat = torch.zeros_like(u.master.data)
+                for fqn, p, v in self._views(u, flat):
+                    v.copy_(sd[f"state.{fqn}.{k}"].reshape(v.shape))
+                st[k] = flat
+            u.opt.state[u.master] = st
+            for k in ("lr", "betas", "eps", "weight_decay"):
+                key = f"param_groups.{fqn0}.{k}"
+                if key in sd:
+                    u.opt.param_groups[0][k] = sd[key]
+
+    def state_dict(self) -> dict:
+        return {"model": self.model_state_dict(), "optimizer": self.optimizer_state_dict()}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.load_model_state_dict(sd["model"])
+        if "optimizer" in sd:
+            self.load_optimizer_state_dict(sd["optimizer"])
+
+    def describe(self) -> str:
+        return self.description or repr(self.plan)
+
+    def close(self) -> None:
+        self.synchronize()
+        self.pool.shutdown(wait=True)
+        unregister_pinned(self.pinned_ptrs)
+        self.pinned_ptrs = []

@@ -1,0 +1,73 @@
+"""Streams and events that are real on CUDA and no-ops on CPU, so the engine runs in CPU tests."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+class _NullEvent:
+    def record(self, stream=None):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+
+class Streams:
+    """The compute stream (the caller's current stream), an H2D and a D2H copy stream."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.h2d = self.d2h = None
+        if self.cuda:
+            self.h2d = torch.cuda.Stream(device)
+            self.d2h = torch.cuda.Stream(device)
+
+    def event(self):
+        return torch.cuda.Event() if self.cuda else _NullEvent()
+
+    def current(self):
+        return torch.cuda.current_stream() if self.cuda else None
+
+    def on(self, stream):
+        return torch.cuda.stream(stream) if self.cuda else contextlib.nullcontext()
+
+    def wait(self, stream, event) -> None:
+        """`stream` waits for `event` on the device (no host sync)."""
+        if self.cuda and event is not None:
+            stream.wait_event(event)
+
+    def record(self, stream=None):
+        e = self.event()
+        if self.cuda:
+            e.record(stream or torch.cuda.current_stream())
+        return e
+
+
+def register_pinned(t: torch.Tensor, piece_bytes: int = 1 << 30) -> list[int]:
+    """Page-lock `t`'s exact bytes with cudaHostRegister in pieces (no power-of-two rounding of
+    torch's caching host allocator). Returns the registered pointers (for unregister)."""
+    if not torch.cuda.is_available():
+        return []
+    rt = torch.cuda.cudart()
+    base, total = t.data_ptr(), t.numel() * t.element_size()
+    ptrs = []
+    for off in range(0, total, piece_bytes):
+        n = min(piece_bytes, total - off)
+        err = rt.cudaHostRegister(base + off, n, 0)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister of {n} bytes failed ({err})")
+        ptrs.append(base + off)
+    return ptrs
+
+
+def unregister_pinned(ptrs: list[int]) -> None:
+    if ptrs and torch.cuda.is_available():
+        rt = torch.cuda.cudart()
+        for p in ptrs:
+            rt.cudaHostUnregister(p)
