@@ -45,7 +45,7 @@ def _doc_bounds(CU, pid_doc, T, IS_VARLEN: tl.constexpr):
 @triton.jit
 def _fwd_tiles(
     acc, l, m, q, k_base, v_base, offs_m, lo, hi, seqlen, scale_log2,
-    KV_STRIDE: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+    KV_STRIDE, D: tl.constexpr, BD: tl.constexpr,
     MODE: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr, BN: tl.constexpr,
 ):
     offs_n = tl.arange(0, BN)
@@ -95,7 +95,7 @@ def _fwd_tiles(
 @triton.jit
 def attn_fwd_kernel(
     Q, K, V, O, LSE, CU, scale_log2, eps, T,
-    HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+    HQ, HK, D: tl.constexpr, BD: tl.constexpr,
     MODE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr,
 ):
@@ -178,7 +178,7 @@ def _weights_and_grad(s, dp, lse, delta, valid, MODE: tl.constexpr, MASKED: tl.c
 @triton.jit
 def _dkdv_tiles(
     dk, dv, k, v, q_base, do_base, lse_base, delta_base, offs_n, lo, hi, seqlen, scale_log2,
-    Q_STRIDE: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+    Q_STRIDE, HQ, D: tl.constexpr, BD: tl.constexpr,
     MODE: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr, BM: tl.constexpr,
 ):
     offs_d = tl.arange(0, BD)
@@ -203,7 +203,7 @@ def _dkdv_tiles(
 @triton.jit
 def attn_bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, CU, scale_log2, scale, T,
-    HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+    HQ, HK, D: tl.constexpr, BD: tl.constexpr,
     MODE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
     BN: tl.constexpr, BM: tl.constexpr,
 ):
@@ -240,7 +240,7 @@ def attn_bwd_dkdv_kernel(
 @triton.jit
 def _dq_tiles(
     dq, q, do, lse, delta, k_base, v_base, offs_m, lo, hi, seqlen, scale_log2,
-    KV_STRIDE: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+    KV_STRIDE, D: tl.constexpr, BD: tl.constexpr,
     MODE: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr, BN: tl.constexpr,
 ):
     offs_d = tl.arange(0, BD)
@@ -266,7 +266,7 @@ def _dq_tiles(
 @triton.jit
 def attn_bwd_dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ, CU, scale_log2, scale, T,
-    HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+    HQ, HK, D: tl.constexpr, BD: tl.constexpr,
     MODE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr,
 ):

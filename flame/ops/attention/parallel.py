@@ -23,12 +23,12 @@ class TileConfig(NamedTuple):
 # Candidate tiles by padded head dim; the first entry is the untuned default.
 _FWD = {
     64: [TileConfig(128, 64, 4, 3), TileConfig(128, 128, 8, 3), TileConfig(64, 64, 4, 3)],
-    128: [TileConfig(128, 64, 8, 3), TileConfig(128, 128, 8, 2), TileConfig(64, 64, 4, 3), TileConfig(128, 32, 4, 3)],
+    128: [TileConfig(128, 64, 8, 3), TileConfig(128, 128, 8, 2), TileConfig(64, 64, 4, 3)],
     256: [TileConfig(64, 32, 4, 2), TileConfig(64, 64, 8, 2), TileConfig(128, 32, 8, 2)],
 }
 _BWD = {
     64: [TileConfig(128, 64, 8, 3), TileConfig(128, 32, 8, 3), TileConfig(64, 32, 4, 3)],
-    128: [TileConfig(128, 64, 8, 2), TileConfig(128, 32, 8, 3), TileConfig(64, 64, 4, 3), TileConfig(64, 32, 4, 3)],
+    128: [TileConfig(128, 64, 8, 2), TileConfig(128, 32, 8, 3), TileConfig(64, 64, 4, 3)],
     256: [TileConfig(64, 32, 8, 2), TileConfig(32, 32, 4, 2), TileConfig(64, 16, 4, 2)],
 }
 _INTERPRET_TILE = TileConfig(16, 16, 1, 1)
@@ -87,8 +87,8 @@ class ParallelAttentionFunction(torch.autograd.Function):
 
         def launch(c: TileConfig):
             attn_fwd_kernel[(_cdiv(max_seqlen, c.outer), HQ, n_docs)](
-                q, k, v, o, lse, cu, scale * LOG2E, eps, T,
-                HQ=HQ, HK=HK, D=D, BD=bd, MODE=mode_id, IS_VARLEN=cu_seqlens is not None,
+                q, k, v, o, lse, cu, scale * LOG2E, eps, T, HQ, HK,
+                D=D, BD=bd, MODE=mode_id, IS_VARLEN=cu_seqlens is not None,
                 PREC=_prec(q.dtype), BM=c.outer, BN=c.inner, num_warps=c.num_warps, num_stages=c.num_stages,
             )
 
@@ -110,17 +110,17 @@ class ParallelAttentionFunction(torch.autograd.Function):
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         n_docs = B if cu_seqlens is None else cu_seqlens.numel() - 1
         cu = cu_seqlens if cu_seqlens is not None else q.new_empty(1, dtype=torch.int32)
-        common = dict(HQ=HQ, HK=HK, D=D, BD=bd, MODE=mode_id, IS_VARLEN=cu_seqlens is not None, PREC=_prec(q.dtype))
+        common = dict(D=D, BD=bd, MODE=mode_id, IS_VARLEN=cu_seqlens is not None, PREC=_prec(q.dtype))
 
         def launch_dkdv(c: TileConfig):
             attn_bwd_dkdv_kernel[(_cdiv(max_seqlen, c.outer), HK, n_docs)](
-                q, k, v, do, lse, delta, dk, dv, cu, scale * LOG2E, scale, T,
+                q, k, v, do, lse, delta, dk, dv, cu, scale * LOG2E, scale, T, HQ, HK,
                 BN=c.outer, BM=c.inner, num_warps=c.num_warps, num_stages=c.num_stages, **common,
             )
 
         def launch_dq(c: TileConfig):
             attn_bwd_dq_kernel[(_cdiv(max_seqlen, c.outer), HQ, n_docs)](
-                q, k, v, do, lse, delta, dq, cu, scale * LOG2E, scale, T,
+                q, k, v, do, lse, delta, dq, cu, scale * LOG2E, scale, T, HQ, HK,
                 BM=c.outer, BN=c.inner, num_warps=c.num_warps, num_stages=c.num_stages, **common,
             )
 
