@@ -1,0 +1,106 @@
+"""Host-offload engine: plans where every block's state lives and executes the plan.
+
+Trainer entry point: `apply_offload(model, job_config, parallel_dims, device)`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from flame.errors import ConfigError
+from flame.offload.config import Offload
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Offload", "apply_offload", "build_plan"]
+
+
+def _get(obj, path, default):
+    for k in path.split("."):
+        obj = getattr(obj, k, None)
+        if obj is None:
+            return default
+    return obj
+
+
+def build_plan(model, job_config, device, world: int = 1):
+    """(plan, costs, profile) for `model` under job_config.offload, measuring what is missing."""
+    from flame.offload.budgets import gpu_budget_bytes, host_budget_bytes
+    from flame.offload.cost_model import Dtypes
+    from flame.offload.costs import measure_costs, meta_model
+    from flame.offload.profile import load, measure, save
+    from flame.offload.solver import Plan, solve
+
+    off: Offload = _get(job_config, "offload", None) or Offload()
+    off.validate()
+    mb = int(_get(job_config, "training.local_batch_size", 1))
+    seq = int(_get(job_config, "training.seq_len", 2048))
+    gb = int(_get(job_config, "training.global_batch_size", -1) or -1)
+    rounds = max(1, gb // (mb * world)) if gb > 0 else 1
+    if off.plan != "auto":
+        return Plan.load(off.plan), None, None
+    cdt = getattr(torch, off.compute_dtype)
+    costs = measure_costs(meta_model(model.config, dtype=cdt), mb, seq)
+    path = off.profile or os.path.join(_get(job_config, "job.dump_folder", "."), "offload_profile.json")
+    if os.path.isfile(path):
+        prof = load(path)
+    elif torch.device(device).type == "cuda":
+        cfg = model.config
+        t = mb * seq
+        d = cfg.hidden_size
+        ffn = getattr(cfg, "intermediate_size", None) or 4 * d
+        shapes = [(t, d, d), (t, ffn, d), (t, d, ffn), (t, cfg.vocab_size, d)]
+        prof = measure(shapes)
+        save(prof, path)
+        logger.info("offload: hardware profile measured and cached at %s", path)
+    else:
+        raise ConfigError(f"offload.profile={path!r}: not found, and no GPU to measure one")
+    total = torch.cuda.get_device_properties(device).total_memory if torch.device(device).type == "cuda" else prof.gpu_total_bytes
+    gpu = gpu_budget_bytes(off.gpu_memory_gib, off.gpu_margin_gib, total)
+    host = host_budget_bytes(off.host_memory_gib, off.host_margin_gib)
+    threads = off.cpu_threads or max(1, len(os.sched_getaffinity(0)) - 1)
+    dt = Dtypes(off.compute_dtype, off.master_dtype, off.grad_dtype, off.moment_dtype)
+    depths = (off.prefetch_depth,) if off.prefetch_depth else (1, 2, 3)
+    plan = solve(costs, prof, dt, gpu, host, mb, rounds, threads, depths, off.overrides, allow_offload=off.enable != "off")
+    if off.save_plan:
+        plan.save(off.save_plan)
+    return plan, costs, prof
+
+
+def apply_offload(model, job_config, parallel_dims, device):
+    """Plan and, when the plan offloads (or offload.enable=on), wrap `model` in an OffloadEngine.
+
+    `model` must be materialized (CPU or GPU) and initialized, with fp32/master values; the engine
+    moves every block to where the plan puts it. Returns None when offload is off, or enable=auto
+    and everything fits (the trainer then runs its plain FSDP2 path, no overhead)."""
+    from flame.offload.runtime.engine import OffloadEngine
+    from flame.offload.solver import describe
+
+    off: Offload = _get(job_config, "offload", None) or Offload()
+    off.validate()
+    if off.enable == "off":
+        return None
+    world = int(getattr(parallel_dims, "world_size", 1) or 1) if parallel_dims is not None else 1
+    if any(p.device.type == "meta" for p in model.parameters()):
+        raise ConfigError("offload: the model must be materialized (init on CPU) before apply_offload")
+    plan, costs, _ = build_plan(model, job_config, device, world)
+    text = describe(plan, costs) if costs is not None else f"replayed plan {off.plan}: {plan.predicted}"
+    if off.enable == "auto" and not plan.offloads:
+        logger.info("offload: everything fits, plain run\n%s", text)
+        return None
+    if world > 1:
+        raise ConfigError(f"offload: world size {world}: the offload engine runs one GPU per job for now "
+                          "(set offload.enable=off or use 1 GPU)")
+    engine = OffloadEngine(
+        model, plan, torch.device(device),
+        lr=float(_get(job_config, "optimizer.lr", 1e-3)),
+        betas=(float(_get(job_config, "optimizer.beta1", 0.9)), float(_get(job_config, "optimizer.beta2", 0.95))),
+        eps=float(_get(job_config, "optimizer.eps", 1e-8)),
+        weight_decay=float(_get(job_config, "optimizer.weight_decay", 0.1)),
+        description=text,
+    )
+    logger.info("%s", text)
+    return engine

@@ -120,7 +120,7 @@ def _apply(layer_modes, layer_acts, ov):
 
 def solve(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, gpu_budget: int, host_budget: int,
           micro_batch: int, rounds: int, cpu_threads: int, depths=(1, 2, 3), overrides: list[str] | None = None,
-          allow_offload: bool = True) -> Plan:
+          allow_offload: bool = True, fudge: float = 1.0) -> Plan:
     """The fastest plan whose predicted peak GPU and host bytes fit the budgets.
 
     Raises ConfigError naming what is missing when nothing fits (before anything is allocated)."""
@@ -142,7 +142,7 @@ def solve(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, gpu_budget: int,
                 def at(k):
                     acts = spread(n, {"recompute": k, "keep": n - k})
                     modes, acts = _apply(list(base_modes), acts, ov)
-                    return modes, acts, predict(costs, prof, dt, modes, acts, outer, depth, micro_batch, rounds, cpu_threads)
+                    return modes, acts, predict(costs, prof, dt, modes, acts, outer, depth, micro_batch, rounds, cpu_threads, fudge)
 
                 lo, hi = 0, n
                 m_hi = at(hi)

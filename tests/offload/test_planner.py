@@ -1,0 +1,156 @@
+"""Planner properties on CPU: budgets, monotonicity, infeasibility, plan files, cost arithmetic."""
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from flame.errors import ConfigError
+from flame.offload.config import Offload
+from flame.offload.cost_model import Dtypes, _flow, predict, unit_gpu_bytes, unit_host_bytes
+from flame.offload.costs import ModelCosts, UnitCosts, measure_costs, meta_model
+from flame.offload.profile import HardwareProfile, load, save
+from flame.offload.solver import Plan, describe, solve, spread
+
+GiB = 1024**3
+
+
+def prof(**kw):
+    # a synthetic profile for arithmetic tests (not a measurement of any machine)
+    d = dict(source="synthetic test profile", device_name="test", gpu_total_bytes=80 * GiB, host_total_bytes=128 * GiB,
+             cpu_cores=16, gemm_tflops={"default": 500.0}, attn_tflops=250.0, hbm_gbps=2000.0, h2d_gbps=50.0,
+             d2h_gbps=50.0, duplex_gbps=70.0, pageable_h2d_gbps=5.0, host_memcpy_gbps=10.0,
+             cpu_adam_gparams={"1": 0.5, "15": 4.0}, gpu_adam_gparams=80.0, pin_s_per_gib=0.8)
+    d.update(kw)
+    return HardwareProfile(**d)
+
+
+@pytest.fixture(scope="module")
+def costs():
+    cfg = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=8,
+                      num_key_value_heads=4, vocab_size=32000)
+    cfg._attn_implementation = "sdpa"
+    return measure_costs(meta_model(cfg), 2, 2048)
+
+
+def test_costs_measured_from_model(costs):
+    l0 = costs.layers[0]
+    d, f, t = 1024, 2816, 2 * 2048
+    numel = 2 * d * d + 2 * d * (d // 2) + 3 * d * f + 2 * d
+    assert l0.numel == numel
+    assert l0.fwd_gemm_flops == pytest.approx(2 * t * (numel - 2 * d))
+    assert l0.fwd_attn_flops == pytest.approx(4 * 2 * 8 * 2048 * 2048 * 128 * 0.5)
+    assert l0.act_recompute_bytes == t * d * 2  # bf16 block input
+    assert l0.act_keep_bytes > 10 * l0.act_recompute_bytes
+    assert costs.outer.numel == 2 * 32000 * d + d
+    assert ModelCosts.from_dict(costs.to_dict()) == costs
+
+
+def test_flow_shop_arithmetic():
+    # two jobs: h2d 1, compute 2 each; unlimited depth: 1 + 2 + 2 = 5
+    assert _flow([(0, 1, 2, 0), (0, 1, 2, 0)], 4) == 5
+    # copy-bound: h2d 3, compute 1: 3 + 3 + 1 = 7
+    assert _flow([(0, 3, 1, 0), (0, 3, 1, 0)], 4) == 7
+    # d2h tail: compute 1 then d2h 2 for each: 1, 2 -> d2h ends 3 then 5
+    assert _flow([(0, 0, 1, 2), (0, 0, 1, 2)], 1) == 5
+    # depth 0: the copy of job 1 waits for compute of job 0: 1 + 2 + 1 + 2 = 6
+    assert _flow([(0, 1, 2, 0), (0, 1, 2, 0)], 0) == 6
+    # a CPU stage in front: 2 + max(...)
+    assert _flow([(2, 1, 1, 0)], 1) == 4
+
+
+def test_unit_bytes_by_hand():
+    u = UnitCosts("b", "layer", 1000, {}, 0, 0, 0, 0, 0)
+    dt = Dtypes()
+    assert unit_gpu_bytes(u, "gpu", dt) == 1000 * (2 + 2 + 4 + 4 + 8)
+    assert unit_gpu_bytes(u, "host_opt", dt) == 1000 * 4
+    assert unit_gpu_bytes(u, "stream", dt) == 0
+    assert unit_host_bytes(u, "stream", dt) == (1000 * (4 + 4 + 4 + 8), 1000 * 4)
+    bf = Dtypes("bfloat16", "bfloat16", "bfloat16", "bfloat16")
+    assert unit_gpu_bytes(u, "gpu", bf) == 1000 * (2 + 2 + 0 + 0 + 4)
+
+
+def test_predict_by_hand():
+    # one layer streamed, no attention: forward = cpu + h2d + compute, backward = compute + d2h
+    lay = UnitCosts("l", "layer", 10**9, {}, 1e12, 0.0, 0, 0, 0)
+    out = UnitCosts("outer", "outer", 0, {}, 0.0, 0.0, 0, 0, 0)
+    c = ModelCosts(1, 1, [lay, out], "L")
+    p = prof()
+    pr = predict(c, p, Dtypes(), ["stream"], ["keep"], "gpu", 1, 1, 1, 15)
+    cpu = 1e9 / 4e9
+    h2d = 2e9 / 50e9
+    fwd = 1e12 / 500e12
+    bwd = 2e12 / 500e12
+    d2h = 2e9 / (70e9 * 0.5)
+    # the only layer stays in its slot for the backward: no refetch
+    assert pr.step_s == pytest.approx(cpu + h2d + fwd + bwd + d2h)
+    assert pr.h2d_bytes == 2e9 and pr.d2h_bytes == 2e9
+
+
+def test_budgets_respected_and_monotone(costs):
+    p = prof()
+    host = 64 * GiB
+    last = None
+    for gib in (2, 3, 4, 6, 8, 12, 16, 24, 48):
+        try:
+            plan = solve(costs, p, Dtypes(), gib * GiB, host, 2, 1, 15, depths=(1, 2))
+        except ConfigError:
+            assert last is None  # only the smallest budgets may be infeasible
+            continue
+        assert plan.predicted["peak_gpu_bytes"] <= gib * GiB
+        assert plan.predicted["peak_host_bytes"] <= host
+        if last is not None:
+            assert plan.predicted["step_s"] <= last + 1e-12
+        last = plan.predicted["step_s"]
+    assert last is not None
+    assert not plan.offloads  # 48 GiB holds this 0.2B model entirely
+
+
+def test_infeasible_says_what_is_missing(costs):
+    with pytest.raises(ConfigError, match=r"needs [\d.]+ GiB GPU, budget 0\.5"):
+        solve(costs, prof(), Dtypes(), GiB // 2, 64 * GiB, 2, 1, 15)
+    with pytest.raises(ConfigError, match=r"needs [\d.]+ GiB host, budget 0\.1"):
+        solve(costs, prof(), Dtypes(), 2 * GiB, int(0.1 * GiB), 2, 1, 15)
+
+
+def test_plan_file_and_profile_roundtrip(costs, tmp_path):
+    plan = solve(costs, prof(), Dtypes(), 3 * GiB, 64 * GiB, 2, 1, 15)
+    plan.save(tmp_path / "p.json")
+    assert Plan.load(tmp_path / "p.json") == plan
+    assert "binding constraint" in describe(plan, costs)
+    save(prof(), str(tmp_path / "prof.json"))
+    assert load(str(tmp_path / "prof.json")) == prof()
+    with pytest.raises(ConfigError, match="nope.json"):
+        Plan.load(str(tmp_path / "nope.json"))
+
+
+def test_overrides_and_spread(costs):
+    plan = solve(costs, prof(), Dtypes(), 40 * GiB, 64 * GiB, 2, 1, 15, overrides=["weights[0-1]=host", "prefetch=2"])
+    assert plan.layer_modes[:2] == ["stream", "stream"] and plan.prefetch_depth == 2
+    with pytest.raises(ConfigError, match="weights\\[9\\]"):
+        solve(costs, prof(), Dtypes(), 40 * GiB, 64 * GiB, 2, 1, 15, overrides=["weights[9]=host"])
+    s = spread(8, {"a": 2, "b": 6})
+    assert s.count("a") == 2 and s.index("a") > 0
+
+
+def test_config_validation():
+    with pytest.raises(ConfigError, match="offload.enable='maybe'"):
+        Offload(enable="maybe").validate()
+    with pytest.raises(ConfigError, match="offload.master_dtype='fp8'"):
+        Offload(master_dtype="fp8").validate()
+    with pytest.raises(ConfigError, match="offload.gpu_memory_gib=-1"):
+        Offload(gpu_memory_gib=-1).validate()
+
+
+def test_cli_infeasible_exits_nonzero(tmp_path, capsys):
+    from flame.offload import plan as cli
+
+    save(prof(), str(tmp_path / "prof.json"))
+    cfgdir = tmp_path / "m"
+    cfg = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4, vocab_size=1000)
+    cfg.save_pretrained(cfgdir)
+    args = ["--model.config", str(cfgdir), "--training.seq_len", "512", "--offload.profile", str(tmp_path / "prof.json"),
+            "--offload.host_memory_gib", "0.01"]
+    assert cli.main(args + ["--offload.gpu_memory_gib", "0.001"]) == 2
+    assert "needs" in capsys.readouterr().err
+    assert cli.main(args[:-2] + ["--offload.host_memory_gib", "8", "--offload.gpu_memory_gib", "1"]) == 0
+    assert "predicted step" in capsys.readouterr().out
