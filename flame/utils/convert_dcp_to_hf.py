@@ -1,0 +1,61 @@
+"""Convert a flame/torchtitan DCP checkpoint to a Hugging Face folder.
+
+    python -m flame.utils.convert_dcp_to_hf --path DUMP --step N [--config CFG] [--tokenizer TOK]
+        [--dtype bfloat16] [--out DIR] [--max-shard-size 5GB] [--overwrite]
+
+Reads ``DUMP/checkpoint/step-N`` (model keys only) and writes ``DIR`` (default ``DUMP/hf/step-N``).
+``--config`` / ``--tokenizer`` default to ``model.config`` / ``model.tokenizer_path`` of the
+``DUMP/job_config.json`` the trainer writes. Bad input: one line on stderr, exit status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from flame.errors import ConfigError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog='python -m flame.utils.convert_dcp_to_hf', description=__doc__.splitlines()[1])
+    p.add_argument('--path', required=True, help='dump folder of the training run')
+    p.add_argument('--step', required=True, type=int, help='checkpoint step to convert')
+    p.add_argument('--config', help='model config (JSON or HF folder); default: from DUMP/job_config.json')
+    p.add_argument('--tokenizer', help='tokenizer path/name; default: from DUMP/job_config.json')
+    p.add_argument('--dtype', default='bfloat16', help='weights dtype: bfloat16 (default), float32, float16')
+    p.add_argument('--out', help='output folder (default DUMP/hf/step-N)')
+    p.add_argument('--max-shard-size', default='5GB', help="split weights above this size (default 5GB)")
+    p.add_argument('--overwrite', action='store_true', help='replace an existing output folder')
+    return p
+
+
+def run(args) -> str:
+    from flame.utils.hf_export import export_hf, resolve_job_config
+    dump = args.path
+    ckpt = os.path.join(dump, 'checkpoint', f'step-{args.step}')
+    if not os.path.isdir(ckpt):
+        raise ConfigError(f"no checkpoint at {ckpt!r}")
+    saved = resolve_job_config(dump)
+    config = args.config or saved.get('config')
+    if not config:
+        raise ConfigError(f"no model config: {os.path.join(dump, 'job_config.json')!r} is absent or has no "
+                          f"model.config; pass --config")
+    tokenizer = args.tokenizer or saved.get('tokenizer')
+    out = args.out or os.path.join(dump, 'hf', f'step-{args.step}')
+    return export_hf(ckpt, config, tokenizer, out, dtype=args.dtype, max_shard_size=args.max_shard_size,
+                     overwrite=args.overwrite)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        out = run(args)
+    except ConfigError as e:
+        print(f"flame: error: {e}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
