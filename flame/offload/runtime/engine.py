@@ -135,9 +135,9 @@ class OffloadEngine:
                 u.w = master if self.mdt == self.cdt else master.to(self.cdt)
             else:
                 # the pinned compute copy the GPU streams from (exact size, registered below)
+                # with master dtype == compute dtype the master is the pinned copy the GPU streams
+                # from: the CPU step waits for the last H2D read of it before writing (_cpu_step)
                 u.w_host = master.to(self.cdt) if self.mdt != self.cdt else master
-                if u.w_host is master and self.pin:
-                    u.w_host = master.clone()  # the H2D source must not be the tensor AdamW writes mid-copy
                 u.g_stage = torch.zeros(u.numel, dtype=self.cdt)
                 u.gacc = torch.zeros(u.numel, dtype=self.gdt)
                 u.w = torch.empty(u.numel, dtype=self.cdt, device=dev) if u.mode == "host_opt" else None

@@ -1,0 +1,263 @@
+"""Offload benchmark, one device run, side by side (writes JSON + a markdown table).
+
+(a) 3B Llama-shaped model at a 16 GiB GPU cap (offload engine) vs fully resident (plain torch,
+    fp32 master + autocast bf16, fused GPU AdamW) vs FSDP2 CPUOffloadPolicy (world 1);
+(b) 8B Llama-shaped model with bf16 states at a 24 GiB cap: useful TFLOP/s vs the measured
+    bf16 GEMM ceiling;
+(c) predicted vs measured step time and peak GPU memory of every engine run.
+All models: activation checkpointing where the baseline needs it to fit, seq 4096/8192.
+Usage: python benchmarks/offload.py OUT_DIR [--sections a,b] [--steps 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from flame.offload.budgets import host_budget_bytes  # noqa: E402
+from flame.offload.cost_model import Dtypes  # noqa: E402
+from flame.offload.costs import measure_costs, meta_model  # noqa: E402
+from flame.offload.profile import measure, save  # noqa: E402
+from flame.offload.runtime.engine import OffloadEngine  # noqa: E402
+from flame.offload.solver import describe, solve  # noqa: E402
+
+GiB = 1024**3
+
+
+def llama(size: str):
+    from transformers import LlamaConfig
+
+    if size == "3B":
+        c = LlamaConfig(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
+                        num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True)
+    elif size == "8B":
+        c = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                        num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False)
+    else:  # small smoke size
+        c = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=8,
+                        num_key_value_heads=4, vocab_size=32000)
+    c._attn_implementation = "sdpa"
+    return c
+
+
+def loss_of(model, ids):
+    logits = model(ids).logits
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), ids.flatten(0, 1))
+
+
+def checkpoint_blocks(model):
+    from torch.utils.checkpoint import checkpoint
+
+    for b in model.model.layers:
+        f = b.forward
+        b.forward = lambda *a, _f=f, **k: checkpoint(_f, *a, use_reentrant=False, **k)
+
+
+def timed(step, warm: int, steps: int) -> float:
+    for _ in range(warm):
+        step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / steps
+
+
+def run_resident(cfg, mb, seq, rounds, steps):
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    checkpoint_blocks(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    ids = torch.randint(0, cfg.vocab_size, (mb, seq), device="cuda")
+
+    def step():
+        for _ in range(rounds):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                l = loss_of(model, ids) / rounds
+            l.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+
+    torch.cuda.reset_peak_memory_stats()
+    s = timed(step, 1, steps)
+    out = {"step_s": s, "tokens_per_s": mb * seq * rounds / s, "peak_gpu_bytes": torch.cuda.max_memory_allocated()}
+    del model, opt
+    torch.cuda.empty_cache()
+    return out
+
+
+def run_fsdp2_offload(cfg, mb, seq, rounds, steps):
+    import torch.distributed as dist
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    from transformers import AutoModelForCausalLM
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    if not dist.is_initialized():
+        dist.init_process_group("cuda:nccl,cpu:gloo", rank=0, world_size=1)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    checkpoint_blocks(model)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for b in model.model.layers:
+        fully_shard(b, mp_policy=mp, offload_policy=CPUOffloadPolicy())
+    fully_shard(model, mp_policy=mp, offload_policy=CPUOffloadPolicy())
+    torch.cuda.empty_cache()
+    try:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    except Exception:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = torch.randint(0, cfg.vocab_size, (mb, seq), device="cuda")
+
+    def step():
+        for _ in range(rounds):
+            l = loss_of(model, ids) / rounds
+            l.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+
+    torch.cuda.reset_peak_memory_stats()
+    s = timed(step, 1, steps)
+    out = {"step_s": s, "tokens_per_s": mb * seq * rounds / s, "peak_gpu_bytes": torch.cuda.max_memory_allocated()}
+    del model, opt
+    torch.cuda.empty_cache()
+    return out
+
+
+def run_engine(cfg, prof, dt, cap_gib, mb, seq, rounds, steps, model_dtype):
+    from transformers import AutoModelForCausalLM
+
+    costs = measure_costs(meta_model(cfg, dtype=getattr(torch, dt.compute)), mb, seq)
+    threads = max(1, len(os.sched_getaffinity(0)) - 1)
+    host = host_budget_bytes(0, 6)
+    plan = solve(costs, prof, dt, int(cap_gib * GiB), host, mb, rounds, threads, depths=(1, 2, 3))
+    text = describe(plan, costs)
+    print(text, flush=True)
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=model_dtype)
+    eng = OffloadEngine(model, plan, torch.device("cuda"), lr=1e-4, description=text)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    setup = time.perf_counter() - t0
+    ids = torch.randint(0, cfg.vocab_size, (mb, seq), device="cuda")
+    losses = []
+
+    def step():
+        for _ in range(rounds):
+            l = loss_of(model, ids) / rounds
+            l.backward()
+        n, _ = eng.optimizer_step(1.0, True)
+        losses.append(float(n))
+
+    torch.cuda.reset_peak_memory_stats()
+    s = timed(step, 2, steps)
+    eng.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    pr = plan.predicted
+    out = {"step_s": s, "tokens_per_s": mb * seq * rounds / s, "peak_gpu_bytes": peak, "gpu_cap_bytes": int(cap_gib * GiB),
+           "setup_s": setup, "useful_tflops": pr["useful_tflops"] * pr["step_s"] / s,
+           "predicted_step_s": pr["step_s"], "predicted_peak_gpu_bytes": pr["peak_gpu_bytes"],
+           "step_error": s / pr["step_s"] - 1, "peak_error": peak / pr["peak_gpu_bytes"] - 1,
+           "grad_norms": losses, "plan": {"layer_modes": plan.layer_modes, "layer_acts": plan.layer_acts,
+                                          "outer": plan.outer_mode, "depth": plan.prefetch_depth}, "plan_text": text}
+    eng.close()
+    del eng, model
+    torch.cuda.empty_cache()
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--sections", default="a,b")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--budget_s", type=float, default=400)
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    t_start = time.perf_counter()
+    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    path = os.path.join(args.out, "offload.json")
+
+    def dump():
+        with open(path, "w") as f:
+            json.dump(res, f, indent=1)
+
+    c3, c8 = llama("3B"), llama("8B")
+    t0 = time.perf_counter()
+    prof = measure([(8192, 3072, 3072), (8192, 8192, 3072), (8192, 4096, 4096), (8192, 14336, 4096), (8192, 8192, 8192)])
+    res["profile_s"] = time.perf_counter() - t0
+    save(prof, os.path.join(args.out, "profile_h100.json"))
+    res["profile"] = prof.__dict__
+    dump()
+    ceiling = prof.gemm_rate("8192x8192x8192") / 1e12
+
+    def section(name, fn):
+        if time.perf_counter() - t_start > args.budget_s:
+            res[name] = {"skipped": "time budget"}
+            return
+        try:
+            t = time.perf_counter()
+            res[name] = fn()
+            res[name]["wall_s"] = time.perf_counter() - t
+        except Exception as e:
+            res[name] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-3000:]}
+        print(name, json.dumps({k: v for k, v in res[name].items() if k not in ("plan_text", "trace")})[:600], flush=True)
+        dump()
+
+    secs = args.sections.split(",")
+    fp32 = Dtypes()
+    bf16 = Dtypes("bfloat16", "bfloat16", "bfloat16", "bfloat16")
+    if "a" in secs:
+        mb, seq, rounds = 2, 4096, 4
+        section("a_offload_16GiB", lambda: run_engine(c3, prof, fp32, 16, mb, seq, rounds, args.steps, torch.float32))
+        section("a_resident", lambda: run_resident(c3, mb, seq, rounds, args.steps))
+        section("a_fsdp2_cpu_offload", lambda: run_fsdp2_offload(c3, mb, seq, rounds, 1))
+    if "b" in secs:
+        section("b_8B_bf16_24GiB", lambda: run_engine(c8, prof, bf16, 24, 1, 8192, 4, args.steps, torch.bfloat16))
+    a, r, f = res.get("a_offload_16GiB", {}), res.get("a_resident", {}), res.get("a_fsdp2_cpu_offload", {})
+    summ = {}
+    if "tokens_per_s" in a and "tokens_per_s" in r:
+        summ["a_offload_vs_resident"] = a["tokens_per_s"] / r["tokens_per_s"]
+    if "tokens_per_s" in a and "tokens_per_s" in f:
+        summ["a_offload_vs_fsdp2_offload"] = a["tokens_per_s"] / f["tokens_per_s"]
+    b = res.get("b_8B_bf16_24GiB", {})
+    if "useful_tflops" in b:
+        summ["b_fraction_of_ceiling"] = b["useful_tflops"] / ceiling
+    summ["gemm_ceiling_tflops"] = ceiling
+    res["summary"] = summ
+    dump()
+    rows = ["| run | tokens/s | step s | peak GPU GiB | predicted step s | predicted peak GiB |", "|---|---|---|---|---|---|"]
+    for k in ("a_offload_16GiB", "a_resident", "a_fsdp2_cpu_offload", "b_8B_bf16_24GiB"):
+        v = res.get(k, {})
+        if "step_s" in v:
+            ps = f"{v['predicted_step_s']:.3f}" if "predicted_step_s" in v else "-"
+            pp = f"{v['predicted_peak_gpu_bytes'] / GiB:.2f}" if "predicted_peak_gpu_bytes" in v else "-"
+            rows.append(f"| {k} | {v['tokens_per_s']:.0f} | {v['step_s']:.3f} | {v['peak_gpu_bytes'] / GiB:.2f} | {ps} | {pp} |")
+        else:
+            rows.append(f"| {k} | {v.get('error', v.get('skipped', 'not run'))[:120]} | | | | |")
+    rows.append("")
+    rows.append("summary: " + json.dumps(summ))
+    with open(os.path.join(args.out, "offload.md"), "w") as f:
+        f.write("\n".join(rows) + "\n")
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()
