@@ -15,7 +15,6 @@ from datetime import timedelta
 import torch
 import torch.nn.functional as F
 from torch.distributed.checkpoint.stateful import Stateful
-from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.lr_scheduler import build_lr_schedulers
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed import ParallelDims
@@ -24,6 +23,7 @@ from torchtitan.tools.logging import init_logger, logger
 
 import torch.distributed._functional_collectives as funcol
 
+from flame.components.checkpoint import FlameCheckpointManager
 from flame.components.loss import IGNORE_INDEX, cross_entropy_sum
 from flame.components.metrics import MetricsLogger
 from flame.components.optimizer import build_optimizers
@@ -137,7 +137,7 @@ class Trainer(Stateful):
         self.step = 0
         self.ntokens_seen = 0
         self.skipped_steps = 0
-        self.checkpointer = CheckpointManager(
+        self.checkpointer = FlameCheckpointManager(
             dataloader=self.dataloader,
             model_parts=[model],
             optimizers=self.optimizers,

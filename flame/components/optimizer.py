@@ -14,10 +14,11 @@ def param_groups(model: nn.Module, weight_decay: float, no_decay: list[str]) -> 
     """
     decay, skip = [], []
     patterns = [p for p in no_decay if p]
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)} if "embed" in patterns else set()
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        if p.ndim < 2 or any(s in name.lower() for s in patterns):
+        if p.ndim < 2 or id(p) in embeddings or any(s in name.lower() for s in patterns):
             skip.append(p)
         else:
             decay.append(p)
