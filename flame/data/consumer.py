@@ -44,12 +44,15 @@ class MapShare:
             out[sel] = self._perms[e](within[sel])
         return out
 
-    def next(self) -> tuple[np.ndarray, int]:
+    def next(self) -> tuple[np.ndarray, int, tuple[int, int]]:
+        """(token ids, tokens already emitted, (document index, epoch))."""
         if not self._queue:
             start = self.taken + len(self._queue)
             ordinals, offsets = self.layout.share(self.v, self.V, start, FETCH_DOCS)
-            docs = self.source.fetch(self._doc_indices(ordinals))
-            self._queue = list(zip(docs, offsets.tolist()))[::-1]
+            indices = self._doc_indices(ordinals)
+            docs = self.source.fetch(indices)
+            epochs = (ordinals // self.source.num_docs).tolist()
+            self._queue = list(zip(docs, offsets.tolist(), zip(indices.tolist(), epochs)))[::-1]
         self.taken += 1
         return self._queue.pop()
 
@@ -109,7 +112,7 @@ class StreamShare:
                 raise ConfigError(f"training.dataset: {self.source.name!r} is empty (0 documents)")
             epoch, pos, base = epoch + 1, 0, 0
 
-    def next(self) -> tuple[np.ndarray, int]:
+    def next(self) -> tuple[np.ndarray, int, tuple[int, int]]:
         if not self._queue:
             if self._it is None:
                 self._it = self._mine(self.epoch, self.pos, self.base)
@@ -119,7 +122,7 @@ class StreamShare:
         # The position follows the documents handed out, not the read-ahead.
         self.epoch, self.base, self.last, doc = self._queue.pop()
         self.pos = self.last + 1
-        return doc, 0
+        return doc, 0, (self.last, self.epoch)
 
     def rewind(self, index: int) -> None:
         """Make the next document the one at ``index`` of the current epoch (partial-doc resume)."""
@@ -156,6 +159,9 @@ class Consumer:
         self.doc: np.ndarray | None = None
         self.doc_src = -1
         self.doc_pos = 0
+        self.doc_ident = (-1, -1)
+        # Debug/test aid: (source, document index, epoch, first, end) of every emitted token range.
+        self.trace: list[tuple[int, ...]] | None = [] if opts.extra.get("trace") else None
         cur = st.get("cur")
         if cur is not None:
             s, offset = int(cur[0]), int(cur[1])
@@ -181,7 +187,8 @@ class Consumer:
         self.draws += 1
         return int(np.searchsorted(self.cum, u, side="right").clip(0, len(self.cum) - 1))
 
-    def _load_doc(self, s: int, raw: np.ndarray, start_offset: int, extra_offset: int = 0, fresh: bool = True):
+    def _load_doc(self, s: int, raw: np.ndarray, start_offset: int, ident: tuple[int, int], extra_offset: int = 0,
+                  fresh: bool = True):
         parts = []
         if self.boundary.bos is not None:
             parts.append(np.asarray([self.boundary.bos], dtype=np.int64))
@@ -190,14 +197,15 @@ class Consumer:
             parts.append(np.asarray([self.boundary.eos], dtype=np.int64))
         self.doc = np.concatenate(parts) if len(parts) > 1 else parts[0]
         self.doc_src = s
+        self.doc_ident = ident
         # A resumed partial document continues after the tokens that were emitted already.
         self.doc_pos = max(int(start_offset), int(extra_offset))
 
     def _next_doc(self) -> None:
         while True:
             s = self._pick_source()
-            raw, offset = self.shares[s].next()
-            self._load_doc(s, raw, offset)
+            raw, offset, ident = self.shares[s].next()
+            self._load_doc(s, raw, offset, ident)
             if self.doc_pos < len(self.doc):
                 return
             # An empty document without boundary tokens (or fully emitted before a resize) adds nothing.
@@ -219,6 +227,8 @@ class Consumer:
             consumed = min(n, need - 1 - i)  # the last window token is peeked, not consumed
             if consumed > 0:
                 self.tokens[self.doc_src] += consumed
+                if self.trace is not None:
+                    self.trace.append((self.doc_src, *self.doc_ident, self.doc_pos, self.doc_pos + consumed))
             self.doc_pos += consumed
             i += n
             if consumed < n:
@@ -251,6 +261,8 @@ class Consumer:
                 row_starts: list[int] = []
                 self._fill(windows[b], row_starts, src[b] if src is not None else None)
                 starts.append(row_starts)
+            if self.trace is not None:
+                batch_trace, self.trace = self.trace, []
             batch = pack_batch(windows, starts, varlen=self.opts.varlen, context_len=self.opts.context_len,
                                mask_cross_document_labels=self.opts.mask_cross_document_labels)
             if src is not None:
@@ -258,6 +270,8 @@ class Consumer:
 
                 # Source of each target token (for per-source validation loss).
                 batch["_source_ids"] = torch.from_numpy(src[:, 1:].copy())
+            if self.trace is not None:
+                batch["_trace"] = batch_trace
             self.batches += 1
             # State advanced before the batch leaves: resuming from it never replays this batch.
             batch["_state"] = self.state()

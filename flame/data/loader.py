@@ -33,12 +33,14 @@ class FlameDataLoader(ParallelAwareDataloader):
         self._next_worker = 0
         self._served = 0
         self.track_state = True
+        self.last_consumer = -1
 
     # -- iteration ----------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[dict]:
         inner = super().__iter__()
         for batch in inner:
             st = batch.pop("_state")
+            self.last_consumer = int(st["v"])  # which consumer made this batch (tests, debugging)
             if self.track_state:
                 self._consumers[str(st["v"])] = st
                 self._next_worker = (int(st["w"]) + 1) % self.packed.n

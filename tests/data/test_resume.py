@@ -1,0 +1,124 @@
+"""Resume: exact batches on the same geometry; no document repeated or skipped on another one."""
+
+import json
+
+import pytest
+import torch.distributed.checkpoint as dcp
+from flame_data_testlib import (
+    assert_no_overlap,
+    build,
+    check_batch_content,
+    complete_docs,
+    coverage,
+    same_batches,
+    take,
+    text_docs,
+    token_docs,
+    tokenizer,
+    write_jsonl,
+    write_token_folder,
+)
+
+from flame.data import state as gstate
+from flame.data.loader import STATE_KEY
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tokenizer()
+
+
+def global_state(loaders):
+    return gstate.merge([json.loads(L.state_dict()[STATE_KEY]) for L in loaders])
+
+
+def test_exact_resume_same_geometry_with_workers_and_mixing(tmp_path, tok):
+    a = write_jsonl(tmp_path / "a.jsonl", text_docs(30, seed=1, prefix="a"))
+    b = write_token_folder(tmp_path / "b", token_docs(25, seed=2))
+    kw = dict(dataset=f"{a},{b}", data_probs=[0.7, 0.3], batch_size=2, seq_len=24, num_workers=2, varlen=True,
+              context_len=8, seed=3, mask_cross_document_labels=True)
+    for world in (1, 2):
+        first = [build(tok, r, world, **kw) for r in range(world)]
+        its = [iter(L) for L in first]
+        for _ in range(7):  # odd: the next batch comes from the second worker
+            for it in its:
+                next(it)
+        saved = global_state(first)
+        reference = [[next(it) for _ in range(6)] for it in its]
+        for r in range(world):
+            resumed = build(tok, r, world, **kw)
+            resumed.load_state_dict({STATE_KEY: json.dumps(saved)})
+            assert same_batches(take(resumed, 6), reference[r])
+
+
+def test_state_goes_through_dcp_and_stays_small(tmp_path, tok):
+    path = write_token_folder(tmp_path / "t", token_docs(50))
+    kw = dict(dataset=path, batch_size=2, seq_len=16, seed=5)
+    loader = build(tok, **kw)
+    it = iter(loader)
+    for _ in range(5):
+        next(it)
+    dcp.save({"dataloader": loader}, checkpoint_id=str(tmp_path / "ckpt"))
+    expected = [next(it) for _ in range(4)]
+    resumed = build(tok, **kw)
+    dcp.load({"dataloader": resumed}, checkpoint_id=str(tmp_path / "ckpt"))
+    assert same_batches(take(resumed, 4), expected)
+    assert len(loader.state_dict()[STATE_KEY]) < 2000
+
+
+def _elastic(tok, kw, before, after, n_before, n_after, docs, bos, eos):
+    (w0, nw0), (w1, nw1) = before, after
+    first = [build(tok, r, w0, num_workers=nw0, **kw) for r in range(w0)]
+    batches = []
+    for L in first:
+        batches += take(L, n_before)
+    saved = global_state(first)
+    for r in range(w1):
+        L = build(tok, r, w1, num_workers=nw1, **kw)
+        L.load_state_dict({STATE_KEY: json.dumps(saved)})
+        batches += take(L, n_after)
+    for b in batches:
+        check_batch_content(b, [docs], bos, eos)
+    cov = coverage(b["_trace"] for b in batches)
+    assert_no_overlap(cov)  # nothing repeated, not even parts of documents
+    epoch0 = {k for k in cov if k[2] == 0}
+    assert epoch0 == {(0, d, 0) for d in range(len(docs))}
+    lengths = {(0, d): len(r) + (bos is not None) + (eos is not None) for d, r in enumerate(docs)}
+    assert complete_docs(cov, lengths) >= epoch0  # nothing skipped
+    return batches
+
+
+@pytest.mark.parametrize("kind", ["text", "tokens"])
+@pytest.mark.parametrize("before,after", [((2, 2), (1, 1)), ((1, 1), (2, 2)), ((2, 1), (1, 1)), ((1, 1), (2, 1))])
+def test_elastic_resume_neither_repeats_nor_skips(tmp_path, tok, kind, before, after):
+    if kind == "text":
+        texts = text_docs(40, seed=4)
+        path = write_jsonl(tmp_path / "c.jsonl", texts)
+        docs = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    else:
+        docs = token_docs(40, seed=4)
+        path = write_token_folder(tmp_path / "t", docs)
+    kw = dict(dataset=path, batch_size=2, seq_len=20, seed=11, varlen=True, context_len=20)
+    per_epoch = sum(len(d) + 2 for d in docs) // 40  # batches of 40 tokens per epoch
+    V0, V1 = before[0] * before[1], after[0] * after[1]
+    n_before = max(2, per_epoch // 3 // before[0])
+    n_after = (per_epoch * 2) // after[0] + 6 * V1
+    _elastic(tok, kw, before, after, n_before, n_after, docs, tok.bos_token_id, tok.eos_token_id)
+    assert V0 != V1
+
+
+def test_elastic_twice_folds_layers(tmp_path, tok):
+    docs = token_docs(60, seed=9)
+    path = write_token_folder(tmp_path / "t", docs)
+    kw = dict(dataset=path, batch_size=1, seq_len=16, seed=1)
+    s = None
+    traces = []
+    for world in (2, 3, 1):
+        loaders = [build(tok, r, world, **kw) for r in range(world)]
+        for L in loaders:
+            if s is not None:
+                L.load_state_dict({STATE_KEY: json.dumps(s)})
+            traces += [b["_trace"] for b in take(L, 10)]
+        s = global_state(loaders)
+    assert_no_overlap(coverage(traces))
+    assert len(s["layouts"][0]) <= 2
