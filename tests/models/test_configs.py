@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from conftest import DEBUG_DIR, ROOT
+from models_testlib import DEBUG_DIR, FLA_FAMILIES, ROOT
 
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, 'configs', '*.json')))
 DEBUG_CONFIGS = sorted(glob.glob(os.path.join(DEBUG_DIR, '*.json')))
@@ -76,8 +76,10 @@ def test_config_builds_with_nominal_size(path):
 @pytest.mark.parametrize('path', DEBUG_CONFIGS, ids=os.path.basename)
 def test_debug_config_is_tiny(path):
     cfg, model = _meta_build(path)
-    assert cfg.num_hidden_layers == 2 and cfg.hidden_size == 64 and cfg.vocab_size == 256
-    assert sum(p.numel() for p in model.parameters()) < 500_000
+    assert sum(p.numel() for p in model.parameters()) < 5_000_000
+    if os.path.basename(path)[:-5] in FLA_FAMILIES + ('llama', 'qwen3', 'retention_lm'):
+        # the debug configs of this package's families share one shape (other owners choose theirs)
+        assert cfg.num_hidden_layers == 2 and cfg.hidden_size == 64 and cfg.vocab_size == 256
 
 
 def test_llama_1B_matches_torchtitan_llama3_1B_dims():

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from conftest import FLA_FAMILIES, debug_config
+from models_testlib import FLA_FAMILIES, debug_config
 
 
 def _model(name, dtype=torch.float32, seed=0):

@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, debug_config
+from models_testlib import ROOT, debug_config
 
 
 @pytest.fixture(scope='module')

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from conftest import FLA_FAMILIES, debug_config
+from models_testlib import FLA_FAMILIES, debug_config
 
 B, T = 2, 128
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from conftest import DEBUG_DIR, ROOT
+from models_testlib import DEBUG_DIR, ROOT
 
 TOKENIZER = os.path.join(ROOT, 'flame', 'assets', 'tokenizer')
 
@@ -124,7 +124,7 @@ def test_bf16_export_and_tied_embeddings(tmp_path):
 
 def test_fla_model_exports_and_reloads(cpu_fallbacks, tmp_path):
     from transformers import AutoModelForCausalLM
-    from conftest import debug_config
+    from models_testlib import debug_config
     from flame.utils.hf_export import export_hf
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(debug_config('gated_deltanet'), dtype=torch.float32).eval()
