@@ -126,6 +126,7 @@ def main():
         shape=dict(B=args.B, T=args.T, H=args.H, HK=args.HK, D=args.D, dtype="bfloat16", causal=True),
         flops_convention="fwd = 4*H*D*sum(causal pairs); bwd = 2.5*fwd",
         results=rows,
+        tuned_tiles=__import__("flame.ops.attention.parallel", fromlist=["tuned_configs"]).tuned_configs(),
     )
     os.makedirs(args.out, exist_ok=True)
     tag = re.sub(r"[^A-Za-z0-9]+", "_", device).strip("_").lower()

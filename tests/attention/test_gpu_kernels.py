@@ -3,8 +3,12 @@
 Fresh random inputs each run; bf16 relative error (||x - ref|| / ||ref||) <= 1e-2 for the output
 and every gradient; lengths that are not multiples of any tile; varlen; GQA; head dims 64..256.
 """
+import os
+
 import pytest
 import torch
+
+os.environ.setdefault("FLAME_ATTN_AUTOTUNE", "0")  # default tiles: keeps compile time down
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -86,13 +90,17 @@ def test_large_logits(mode):
     check(kernel(q, k, v, do, mode), reference(q, k, v, do, mode), f"large {mode}")
 
 
-@pytest.mark.parametrize("impl", ["sdpa", "flex", "fla", "triton", "softpick", "scaled_softpick", "rectified"])
+@pytest.mark.parametrize("impl", ["sdpa", "sdpa_varlen_attn", "flex", "fla", "triton", "softpick", "scaled_softpick",
+                                  "rectified"])
 @pytest.mark.parametrize("varlen", [False, True])
-def test_dispatch_backends(impl, varlen):
+def test_dispatch_backends(impl, varlen, monkeypatch):
     """Layer-level dispatch on GPU (SDPA, torch varlen / FlexAttention, FLA, Triton) vs naive float64."""
     from flame.models.attention import attention, get_backend
 
     torch.manual_seed(3)
+    if impl == "sdpa_varlen_attn":
+        monkeypatch.setenv("FLAME_VARLEN_SOFTMAX", "varlen")
+        impl = "sdpa"
     b = get_backend(impl)
     q, k, v, do = make(1, 700, 8, 2, 128)
     cu = torch.tensor([0, 200, 201, 650, 700], device="cuda", dtype=torch.int32) if varlen else None

@@ -28,11 +28,17 @@ _FWD = {
 }
 _BWD = {
     64: [TileConfig(128, 64, 8, 3), TileConfig(128, 32, 8, 3), TileConfig(64, 32, 4, 3)],
-    128: [TileConfig(128, 64, 8, 2), TileConfig(128, 32, 8, 3), TileConfig(64, 64, 4, 3)],
+    128: [TileConfig(128, 64, 8, 2), TileConfig(128, 32, 8, 3), TileConfig(64, 64, 4, 3),
+          TileConfig(128, 32, 4, 4), TileConfig(128, 64, 8, 3)],
     256: [TileConfig(64, 32, 8, 2), TileConfig(32, 32, 4, 2), TileConfig(64, 16, 4, 2)],
 }
 _INTERPRET_TILE = TileConfig(16, 16, 1, 1)
 _TUNED: dict[tuple, TileConfig] = {}
+
+
+def tuned_configs() -> dict[str, str]:
+    """The tiles picked so far in this process (for benchmark reports)."""
+    return {"/".join(map(str, k)): str(tuple(v)) for k, v in _TUNED.items()}
 
 
 def _candidates(table: dict, bd: int) -> list[TileConfig]:
