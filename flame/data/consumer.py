@@ -76,10 +76,11 @@ class StreamShare:
         self.seed, self.index, self.shuffle, self.block = seed, index, shuffle, block
         self.epoch, self.pos, self.base = epoch, pos, base  # pos: next item index to consider
         self.last = pos  # index of the item handed out last
-        self._it: Iterator[tuple[int, int, int, Any]] | None = None
-        self._queue: list[tuple[int, int, int, np.ndarray]] = []
+        self._it: Iterator[tuple[int, int, int, int, Any]] | None = None
+        self._queue: list[tuple[int, int, int, int, np.ndarray]] = []
 
-    def _epoch_items(self, epoch: int) -> Iterator[tuple[int, Any]]:
+    def _epoch_items(self, epoch: int) -> Iterator[tuple[int, int, Any]]:
+        """(position in the shuffled epoch, position in stored order, item)."""
         buf: list[Any] = []
         nblock = 0
         index = 0
@@ -88,8 +89,9 @@ class StreamShare:
             nonlocal index, nblock
             order = (Permutation(len(buf), key_of(self.seed, self.index, epoch, nblock))(np.arange(len(buf)))
                      if self.shuffle and len(buf) > 1 else range(len(buf)))
+            first = nblock * self.block
             for i in order:
-                yield index, buf[int(i)]
+                yield index, first + int(i), buf[int(i)]
                 index += 1
             nblock += 1
 
@@ -101,13 +103,13 @@ class StreamShare:
         if buf:
             yield from flush()
 
-    def _mine(self, epoch: int, pos: int, base: int) -> Iterator[tuple[int, int, int, Any]]:
+    def _mine(self, epoch: int, pos: int, base: int) -> Iterator[tuple[int, int, int, int, Any]]:
         while True:
             seen = False
-            for idx, item in self._epoch_items(epoch):
+            for idx, stored, item in self._epoch_items(epoch):
                 seen = True
                 if idx >= pos and (idx - base) % self.V == self.v:
-                    yield epoch, base, idx, item
+                    yield epoch, base, idx, stored, item
             if not seen:
                 raise ConfigError(f"training.dataset: {self.source.name!r} is empty (0 documents)")
             epoch, pos, base = epoch + 1, 0, 0
@@ -117,12 +119,12 @@ class StreamShare:
             if self._it is None:
                 self._it = self._mine(self.epoch, self.pos, self.base)
             got = [next(self._it) for _ in range(FETCH_DOCS)]
-            docs = self.source.convert([g[3] for g in got])
-            self._queue = [(g[0], g[1], g[2], d) for g, d in zip(got, docs)][::-1]
+            docs = self.source.convert([g[4] for g in got])
+            self._queue = [(*g[:4], d) for g, d in zip(got, docs)][::-1]
         # The position follows the documents handed out, not the read-ahead.
-        self.epoch, self.base, self.last, doc = self._queue.pop()
+        self.epoch, self.base, self.last, stored, doc = self._queue.pop()
         self.pos = self.last + 1
-        return doc, 0, (self.last, self.epoch)
+        return doc, 0, (stored, self.epoch)
 
     def rewind(self, index: int) -> None:
         """Make the next document the one at ``index`` of the current epoch (partial-doc resume)."""

@@ -66,7 +66,7 @@ def open_hf(spec: SourceSpec, split: str, streaming: bool, role: str) -> Any:
     elif os.path.isfile(path) or any(c in path for c in "*?["):
         files = _expand(path, "training.dataset")
         path, kwargs["data_files"], split = _builder_for(files, "training.dataset"), files, "train"
-    elif not os.path.exists(path) and ("/" not in path or path.count("/") > 1) and path.startswith((".", "/")):
+    elif path.startswith((".", "/", "~")) and not os.path.exists(path):
         raise ConfigError(f"training.dataset: {path!r} does not exist")
     if path == "text":
         kwargs["sample_by"] = "document"  # one document per .txt file
@@ -78,8 +78,8 @@ def open_hf(spec: SourceSpec, split: str, streaming: bool, role: str) -> Any:
         return ds.to_iterable_dataset() if streaming else ds
     try:
         if role == "validation" and "data_files" not in kwargs:
-            builder = datasets.load_dataset_builder(path, spec.name, data_dir=spec.data_dir, **kwargs)
-            split = _pick_split(list((builder.info.splits or {}).keys()) or [split], split, role, spec)
+            names = datasets.get_dataset_split_names(path, spec.name, data_dir=spec.data_dir)
+            split = _pick_split(list(names) or [split], split, role, spec)
         return datasets.load_dataset(path, spec.name, data_dir=spec.data_dir, split=split,
                                      streaming=streaming, **kwargs)
     except ConfigError:
@@ -171,15 +171,17 @@ class StreamSource:
 
     def __init__(self, name: str, dataset: Any, column: str, token_ids: bool, tokenize: Tokenize | None):
         self.name = name
-        self.dataset = dataset
+        self.dataset = dataset.select_columns([column])
         self.column = column
         self.token_ids = token_ids
         self.tokenize = tokenize
 
     def raw(self) -> Iterator[Any]:
         """The source's items in their stored order (one epoch)."""
-        for row in self.dataset:
-            yield row[self.column]
+        # ``iter`` (not ``__iter__``): inside a DataLoader worker, ``__iter__`` would hand this worker
+        # only some of the files, while flame assigns documents to consumers itself.
+        for batch in self.dataset.iter(batch_size=256):
+            yield from batch[self.column]
 
     def convert(self, items: list[Any]) -> list[np.ndarray]:
         if self.token_ids:
@@ -193,7 +195,14 @@ def open_source(spec: SourceSpec, tokenizer: Any, text_column: str | None, strea
     tokenize = Tokenize(tokenizer)
     if os.path.isdir(spec.path) and is_token_folder(spec.path):
         # Token folders are random access already; streaming adds nothing, so they are read map-style.
-        return MapSource(spec.path, reader=ShardReader(spec.path))
+        reader = ShardReader(spec.path)
+        vocab = int(reader.meta.get("tokenizer", {}).get("vocab_size", 0) or 0)
+        if vocab > len(tokenizer):
+            raise ConfigError(
+                f"training.dataset: {spec.path!r} was tokenized with a vocabulary of {vocab} tokens, "
+                f"larger than this tokenizer's {len(tokenizer)}"
+            )
+        return MapSource(spec.path, reader=reader)
     ds = open_hf(spec, split, streaming, role)
     if streaming:
         columns = list(ds.column_names or [])

@@ -83,14 +83,14 @@ def assert_no_overlap(cov) -> None:
 
 
 def complete_docs(cov, lengths: dict[tuple[int, int], int]) -> set:
-    """(source, doc, epoch) whose ranges tile the whole document."""
+    """(source, doc, epoch) whose emitted ranges together cover the whole document."""
     done = set()
     for (s, d, e), ranges in cov.items():
         pos = 0
         for a, b in ranges:
-            if a != pos:
+            if a > pos:
                 break
-            pos = b
+            pos = max(pos, b)
         if pos == lengths[(s, d)]:
             done.add((s, d, e))
     return done
