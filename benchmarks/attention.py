@@ -54,7 +54,7 @@ def cases(args):
 def run(args):
     B, T, H, HK, D = args.B, args.T, args.H, args.HK, args.D
     rows = []
-    for varlen in (False, True):
+    for varlen in [x == "varlen" for x in args.layouts.split(",")]:
         if varlen:
             # B*T tokens as documents of uneven lengths (flattened, batch 1)
             total = B * T
@@ -75,6 +75,8 @@ def run(args):
         v = torch.randn(shape_b, shape_t, HK, D, device="cuda", dtype=torch.bfloat16).requires_grad_()
         do = torch.randn_like(q)
         for name, fn in cases(args):
+            if args.only and not any(t in name for t in args.only.split(",")):
+                continue
             try:
                 o = fn(q, k, v, cu)
                 o.backward(do)  # compile / tune outside the timing
@@ -105,6 +107,9 @@ def main():
     p.add_argument("--H", type=int, default=16)
     p.add_argument("--HK", type=int, default=16)
     p.add_argument("--D", type=int, default=128)
+    p.add_argument("--layouts", default="dense,varlen", help="comma list of dense,varlen")
+    p.add_argument("--only", default="", help="comma list of substrings of kernel names to run")
+    p.add_argument("--tag", default="", help="suffix of the JSON file name")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -130,7 +135,7 @@ def main():
     )
     os.makedirs(args.out, exist_ok=True)
     tag = re.sub(r"[^A-Za-z0-9]+", "_", device).strip("_").lower()
-    path = os.path.join(args.out, f"attention_{tag}.json")
+    path = os.path.join(args.out, f"attention_{tag}{args.tag}.json")
     with open(path, "w") as f:
         json.dump(result, f, indent=2)
     print("ratios fwd+bwd vs sdpa:", {f"{r['kernel']}/{'varlen' if r['varlen'] else 'dense'}":
