@@ -13,7 +13,7 @@ if [ "$#" -eq 0 ]; then
     --model.config "$here/configs/debug/transformer_tiny.json" \
     --model.tokenizer_path "$here/flame/assets/tokenizer" \
     --training.dataset "$here/flame/assets/sample_corpus" \
-    --training.batch_size 8 --training.seq_len 256 --training.steps 150 \
+    --training.batch_size 8 --training.seq_len 256 --training.steps 120 \
     --training.num_workers 0 --training.mixed_precision_param float32 \
     --optimizer.lr 3e-3 --lr_scheduler.warmup_steps 20 --lr_scheduler.decay_type cosine \
     --checkpoint.interval 50 --checkpoint.keep_latest_k 1 --metrics.log_freq 10

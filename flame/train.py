@@ -111,11 +111,8 @@ class Trainer(Stateful):
 
             enable_cpu_fallbacks()
 
-        model, self.offload = parallelize(model, pd, cfg, self.device)
-        if self.offload is not None:
-            logger.info(self.offload.describe())
-            self.offload.materialize(lambda m: model_build.init_weights(m, seed))
-        else:
+        model, self.offload = parallelize(model, pd, cfg, self.device, lambda m: model_build.init_weights(m, seed))
+        if self.offload is None:
             model.to_empty(device=self.device)
             model_build.init_weights(model, seed)
         model.train()

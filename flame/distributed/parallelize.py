@@ -104,20 +104,41 @@ def apply_fsdp(model: nn.Module, mesh, job_config, force_sum: bool) -> None:
                 m.set_force_sum_reduction_for_comms(True)
 
 
-def parallelize(model: nn.Module, parallel_dims, job_config, device: torch.device):
-    """Return ``(model, offload_engine_or_None)`` with every parallelism applied (still on meta)."""
+def maybe_offload(model: nn.Module, parallel_dims, job_config, device: torch.device, init_fn):
+    """The offload decision: ``on`` always offloads; ``auto`` offloads on a GPU when the planner
+    says the plain plan does not fit the budgets (on CPU there is nothing to offload to)."""
+    mode = job_config.offload.enable
+    if mode == "off" or (mode == "auto" and device.type != "cuda"):
+        return None
+    from flame.offload import apply_offload, build_plan
+
+    world = parallel_dims.world_size
+    if mode == "auto":
+        plan, _, _ = build_plan(model, job_config, device, world)  # shapes only: the model stays on meta
+        if not plan.offloads:
+            logger.info("offload: the plain plan fits the budgets; no offload")
+            return None
+    # the master copy lives in host memory; the engine moves each block where the plan says
+    model.to_empty(device="cpu")
+    init_fn(model)
+    return apply_offload(model, job_config, parallel_dims, device)
+
+
+def parallelize(model: nn.Module, parallel_dims, job_config, device: torch.device, init_fn):
+    """Return ``(model, offload_engine_or_None)`` with every parallelism applied.
+
+    Without offload the model is still on meta (the caller materializes it); with offload it
+    is materialized on the host by ``init_fn`` and owned by the engine.
+    """
     if parallel_dims.tp_enabled:
         apply_tp(model, parallel_dims.get_mesh("tp"))
     apply_ac(model, job_config.activation_checkpoint)
     if job_config.compile.enable:
         apply_compile(model, job_config.compile)
 
-    if job_config.offload.enable != "off":
-        from flame.offload import apply_offload
-
-        engine = apply_offload(model, job_config, parallel_dims, device)
-        if engine is not None:
-            return model, engine
+    engine = maybe_offload(model, parallel_dims, job_config, device, init_fn)
+    if engine is not None:
+        return model, engine
 
     if parallel_dims.fsdp_enabled:
         names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
