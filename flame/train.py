@@ -24,7 +24,7 @@ from torchtitan.tools.logging import init_logger, logger
 import torch.distributed._functional_collectives as funcol
 
 from flame.components.checkpoint import FlameCheckpointManager
-from flame.components.loss import IGNORE_INDEX, cross_entropy_sum
+from flame.components.loss import IGNORE_INDEX, compiled_cross_entropy_sum, cross_entropy_sum
 from flame.components.metrics import MetricsLogger
 from flame.components.optimizer import build_optimizers
 from flame.config.manager import FlameConfigManager
@@ -67,6 +67,20 @@ def _parallel_dims(cfg, world_size: int) -> ParallelDims:
         ) from None
 
 
+def sdpa_priority(device: torch.device):
+    """Context that orders torch SDPA backends for dense attention: cuDNN first on CUDA (faster than
+    the flash backend on Hopper; torchtitan does the same). ``FLAME_SDPA_BACKENDS`` overrides, e.g.
+    ``flash,efficient,cudnn,math``. Under per-block compile the choice is made at trace time."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    names = os.environ.get("FLAME_SDPA_BACKENDS", "cudnn,flash,efficient,math").split(",")
+    table = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+             "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+    return sdpa_kernel([table[n.strip()] for n in names if n.strip()], set_priority=True)
+
+
 def all_sum(x: torch.Tensor, mesh) -> torch.Tensor:
     """Sum over a mesh without a host sync (torchtitan's dist_sum returns a Python float)."""
     return funcol.all_reduce(x, reduceOp="sum", group=mesh) if mesh is not None else x
@@ -101,7 +115,7 @@ class Trainer(Stateful):
             else None
         )
 
-        model = model_build.build_meta_model(self.model_config)
+        model = model_build.build_meta_model(self.model_config, varlen=t.varlen)
         self.n_params = model_build.count_params(model)
         logger.info(
             f"Model {self.model_config.model_type} from {cfg.model.config}: {self.n_params:,} parameters, vocab {vocab}"
@@ -131,6 +145,8 @@ class Trainer(Stateful):
         else:
             self.optimizers = build_optimizers([model], cfg.optimizer, self.device)
         self.lr_schedulers = build_lr_schedulers(self.optimizers, cfg.lr_scheduler, t.steps)
+        # compiled loss with compiled blocks on GPU (fuses the float32 upcast of the logits)
+        self.loss_fn = compiled_cross_entropy_sum if cfg.compile.enable and self.device.type == "cuda" else cross_entropy_sum
         self.step = 0
         self.ntokens_seen = 0
         self.skipped_steps = 0
@@ -186,9 +202,9 @@ class Trainer(Stateful):
                 "position_ids": batch["position_ids"].reshape(1, -1),
                 "cu_seqlens": batch["cu_seqlens"],
             }
-        with self.amp:
+        with self.amp, sdpa_priority(self.device):
             logits = self.model(**inputs, use_cache=False).logits
-        return cross_entropy_sum(logits, labels.reshape(logits.shape[:-1]))
+        return self.loss_fn(logits, labels.reshape(logits.shape[:-1]))
 
     def _to_device(self, batch: dict) -> dict:
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items() if not k.startswith("_")}
@@ -280,10 +296,16 @@ class Trainer(Stateful):
         self.metrics.reset_clock(self.step)
         data_iter = iter(self.dataloader)
         from torchtitan.tools.profiling import maybe_enable_profiling
+        from torchtitan.tools.utils import GarbageCollection
+
+        # automatic GC off, generation-1 collection every training.gc_freq steps (as torchtitan):
+        # no gen-2 pauses at random steps
+        gc_handler = GarbageCollection(gc_freq=cfg.training.gc_freq, debug=cfg.training.gc_debug)
 
         with maybe_enable_profiling(cfg.profiling, global_step=self.step, base_folder=cfg.job.dump_folder) as prof:
             while self.step < cfg.training.steps:
                 self.step += 1
+                gc_handler.run(self.step)
                 self.train_step(data_iter)
                 self.checkpointer.save(self.step, last_step=self.step == cfg.training.steps)
                 if self.val_loader is not None and self.step % cfg.validation.freq == 0:
@@ -293,6 +315,9 @@ class Trainer(Stateful):
                 if self.step == 1 and self.device.type == "cuda":
                     # shorter timeout once compilation and lazy init are done (its barrier is CUDA-only)
                     dist_utils.set_pg_timeouts(timedelta(seconds=cfg.comm.train_timeout_seconds), self.parallel_dims)
+        import gc
+
+        gc.enable()  # GarbageCollection disabled it for the loop only
         self.export_hf()
 
     def export_hf(self) -> None:

@@ -42,15 +42,25 @@ def fit_vocab(model_config, tokenizer_len: int, multiple: int) -> int:
     return new
 
 
-def build_meta_model(model_config) -> nn.Module:
-    """The model with every parameter on the meta device, in float32 master precision."""
+def build_meta_model(model_config, varlen: bool = False) -> nn.Module:
+    """The model with every parameter on the meta device, in float32 master precision.
+
+    With ``varlen`` an HF model gets flame's document-masked attention (FLA and flame models
+    read ``cu_seqlens`` themselves).
+    """
     from transformers import AutoModelForCausalLM
 
+    kwargs = {}
+    if varlen:
+        from flame.models.hf_attention import NAME, uses_native_varlen
+
+        if not uses_native_varlen(model_config):
+            kwargs["attn_implementation"] = NAME
     # transformers 5 honours `torch_dtype`/`dtype` from the JSON; master weights are fp32.
     model_config.dtype = torch.float32
     try:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
+            model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32, **kwargs)
     except ImportError as e:
         raise ConfigError(f"model type {model_config.model_type!r}: {str(e).splitlines()[0]}") from None
     return model

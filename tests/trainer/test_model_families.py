@@ -28,3 +28,13 @@ def test_family_trains_and_exports(tmp_path, family):
     out = model.generate(ids, max_new_tokens=5, do_sample=False)
     assert out.shape[1] == ids.shape[1] + 5
     assert torch.isfinite(model(ids).logits).all()
+
+
+@pytest.mark.parametrize("family", ["gla", "llama"])
+def test_varlen_training(tmp_path, family):
+    dump = str(tmp_path / family)
+    config = os.path.join(ROOT, "configs/debug", f"{family}.json")
+    run_job(1, dump, "--training.steps", "5", "--training.varlen", "--training.context_len", "32",
+            "--checkpoint.no-enable-checkpoint", config=config)
+    ls = losses(dump)
+    assert len(ls) == 5 and min(ls[-2:]) < ls[0], ls
