@@ -64,7 +64,15 @@ def build_plan(model, job_config, device, world: int = 1):
     threads = off.cpu_threads or max(1, len(os.sched_getaffinity(0)) - 1)
     dt = Dtypes(off.compute_dtype, off.master_dtype, off.grad_dtype, off.moment_dtype)
     depths = (off.prefetch_depth,) if off.prefetch_depth else (1, 2, 3)
-    plan = solve(costs, prof, dt, gpu, host, mb, rounds, threads, depths, off.overrides, allow_offload=off.enable != "off")
+    fudge = 1.0
+    if torch.device(device).type == "cuda":
+        from flame.offload.calibration import measure_block_fudge
+
+        # one real block timed at the run's shapes: scales the FLOP-based compute times
+        fudge = measure_block_fudge(model.config, costs, prof, mb, seq, cdt)["fudge"]
+    plan = solve(costs, prof, dt, gpu, host, mb, rounds, threads, depths, off.overrides,
+                 allow_offload=off.enable != "off", fudge=fudge)
+    plan.predicted["compute_fudge"] = fudge
     if off.save_plan:
         plan.save(off.save_plan)
     return plan, costs, prof

@@ -40,3 +40,61 @@ def refit(plan: Plan, costs, prof, measured_step_s: float, overrides=None) -> tu
 
 
 __all__ = ["compare", "refit", "asdict"]
+
+
+def _time(fn, iters: int = 3) -> float:
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(iters):
+        fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / 1e3 / iters
+
+
+def measure_block_fudge(config, costs, prof, micro_batch: int, seq_len: int, dtype) -> dict:
+    """Time one real block (fwd, fwd+bwd) on the GPU at the run's shapes and compare with the
+    FLOP-based prediction; returns {"fudge": measured / predicted, ...} for `solve(fudge=...)`."""
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from flame.offload.cost_model import unit_times
+
+    c1 = copy.deepcopy(config)
+    c1.num_hidden_layers = 1
+    with torch.device("cuda"):
+        m = AutoModelForCausalLM.from_config(c1, dtype=dtype)
+    got = {}
+    blk = m.model.layers[0]
+    h = blk.register_forward_pre_hook(lambda mod, a, k: got.update(a=a, k=k), with_kwargs=True)
+    with torch.no_grad():
+        m(torch.zeros((micro_batch, seq_len), dtype=torch.long, device="cuda"))
+    h.remove()
+
+    def prep(x):
+        return x.detach().requires_grad_(True) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+
+    args = [prep(x) for x in got["a"]]
+    kwargs = {k: prep(v) if k == "hidden_states" else v for k, v in got["k"].items()}
+
+    def fwd():
+        with torch.no_grad():
+            blk(*args, **kwargs)
+
+    def fwd_bwd():
+        out = blk(*args, **kwargs)
+        out = out[0] if isinstance(out, (tuple, list)) else out
+        out.backward(torch.ones_like(out))
+
+    tf, tfb = _time(fwd), _time(fwd_bwd)
+    pf, pb = unit_times(costs.layers[0], prof, micro_batch / costs.micro_batch)
+    del m, blk, args, kwargs
+    torch.cuda.empty_cache()
+    return {"fudge": tfb / (pf + pb), "measured_fwd_s": tf, "measured_fwd_bwd_s": tfb,
+            "predicted_fwd_s": pf, "predicted_fwd_bwd_s": pf + pb}

@@ -18,6 +18,7 @@ from flame.offload.costs import ModelCosts, UnitCosts
 from flame.offload.profile import HardwareProfile
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+CONV_CHUNK = 1 << 25  # must match runtime.engine.CONV_CHUNK
 RUNTIME_OVERHEAD_BYTES = 256 * 2**20  # cuBLAS workspaces, small buffers: refit by calibration
 
 
@@ -62,13 +63,19 @@ def unit_gpu_bytes(u: UnitCosts, mode: str, dt: Dtypes) -> int:
     return 0
 
 
-def unit_host_bytes(u: UnitCosts, mode: str, dt: Dtypes) -> tuple[int, int]:
+def unit_host_bytes(u: UnitCosts, mode: str, dt: Dtypes, rounds: int = 1) -> tuple[int, int]:
     """(total host bytes, of which pinned) of a unit."""
     if mode == "gpu":
         return 0, 0
-    pinned = u.numel * 2 * dt.c  # compute copy the GPU streams from + grad staging it writes to
-    # the host always keeps a grad accumulator (rounds > 1 add into it while the staging refills)
-    return pinned + u.numel * (dt.master_extra + DTYPE_BYTES[dt.grad] + dt.moments), pinned
+    g = DTYPE_BYTES[dt.grad]
+    if rounds == 1:
+        # pinned: compute copy the GPU streams from (the master itself when dtypes match) + the
+        # grad accumulator the D2H writes into directly
+        pinned = u.numel * (dt.c + g)
+        return pinned + u.numel * (dt.master_extra + dt.moments), pinned
+    # rounds > 1: grads arrive in compute dtype into a pinned staging buffer, added on the CPU
+    pinned = u.numel * 2 * dt.c
+    return pinned + u.numel * (dt.master_extra + g + dt.moments), pinned
 
 
 @dataclass
@@ -128,9 +135,15 @@ def predict(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, layer_modes, l
     modes = [outer_mode] + list(layer_modes)
     acts = ["keep"] + list(layer_acts)
     times = [unit_times(u, prof, scale, fudge) for u in units]
-    cpu_t = [u.numel / cpu_rate if m != "gpu" else 0.0 for u, m in zip(units, modes)]
-    # grad accumulation over rounds > 1 on host: one add pass per extra round
-    acc_t = [(rounds - 1) * u.numel * (c + DTYPE_BYTES[dt.grad]) / memcpy if m != "gpu" else 0.0 for u, m in zip(units, modes)]
+    g = DTYPE_BYTES[dt.grad]
+    # CPU work per host unit: the fused AdamW, the new compute copy when master != compute dtype
+    # (a read+write pass at the measured host memcpy rate), and for rounds > 1 one accumulate
+    # pass per micro-batch plus the grad-norm pass
+    conv = dt.master_extra and (dt.master_extra + c)
+    cpu_t = [u.numel / cpu_rate + u.numel * conv / memcpy if m != "gpu" else 0.0 for u, m in zip(units, modes)]
+    acc_t = [(rounds * u.numel * (c + g) + u.numel * g) / memcpy if m != "gpu" and rounds > 1 else 0.0
+             for u, m in zip(units, modes)]
+    grad_wire = g if rounds == 1 else c  # bytes per param crossing D2H
     n = len(layers)
     total = 0.0
     h2d_bytes = d2h_bytes = 0
@@ -150,7 +163,7 @@ def predict(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, layer_modes, l
             # streamed layers still in a slot after the forward (the last depth+1) are not refetched
             refetch = m == "stream" and k >= 1 and (k - 1) < n - (depth + 1)
             b = u.numel * c if refetch else 0
-            d = u.numel * c if m != "gpu" else 0
+            d = u.numel * grad_wire if m != "gpu" else 0
             h2d_bytes += b
             d2h_bytes += d
             ct = times[k][1] + (times[k][0] if acts[k] == "recompute" else 0.0)
@@ -170,11 +183,16 @@ def predict(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, layer_modes, l
     # transient of a backward: the recomputed block's activations + its gradient buffers; the loss's
     # gradient of the logits
     trans = [scale * ((l.act_keep_bytes if a == "recompute" else 0) + 2 * l.max_saved_bytes) for l, a in zip(layers, layer_acts)]
-    trans.append(scale * 1.5 * outer.max_saved_bytes)
+    # loss backward: the largest saved tensor (log-softmax of the logits), its incoming and its
+    # outgoing gradient alive at once
+    trans.append(scale * 2.0 * outer.max_saved_bytes)
     mem += int(act + max(trans)) + RUNTIME_OVERHEAD_BYTES
+    host_units = [u.numel for u, m in zip(units, modes) if m != "gpu"]
+    if host_units and rounds == 1 and g != c:
+        mem += 2 * min(CONV_CHUNK, max(host_units)) * g  # GPU-side grad conversion buffers
     host = pinned = 0
     for u, m in zip(units, modes):
-        h, p = unit_host_bytes(u, m, dt)
+        h, p = unit_host_bytes(u, m, dt, rounds)
         host += h
         pinned += p
     useful = rounds * sum(scale * (u.fwd_gemm_flops + u.bwd_gemm_flops + u.fwd_attn_flops + u.bwd_attn_flops) for u in units)

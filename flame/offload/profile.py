@@ -104,7 +104,7 @@ def _host_total_bytes() -> int:
         return 0
 
 
-def measure_cpu_adam(threads_list=None, numel: int = 1 << 24, dtype=torch.float32) -> dict[str, float]:
+def measure_cpu_adam(threads_list=None, numel: int = 1 << 26, dtype=torch.float32) -> dict[str, float]:
     """Fused CPU AdamW rate in G params/s for each thread count (runs on any machine)."""
     cores = os.cpu_count() or 1
     threads_list = threads_list or sorted({1, max(1, cores // 2), max(1, cores - 1), cores})

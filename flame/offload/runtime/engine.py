@@ -29,6 +29,7 @@ from flame.offload.costs import find_blocks
 from flame.offload.runtime.streams import Streams, register_pinned, unregister_pinned
 from flame.offload.solver import Plan
 
+CONV_CHUNK = 1 << 25  # elements per GPU conversion chunk (128 MiB in fp32)
 DT = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -86,6 +87,7 @@ class OffloadEngine:
         self.pin = self.cuda
         self.lr, self.betas, self.eps, self.wd = lr, betas, eps, weight_decay
         self.rounds = plan.rounds
+        self.direct = plan.rounds == 1
         self.depth = plan.prefetch_depth
         self.round = 0
         self.use_counter = 0
@@ -138,8 +140,14 @@ class OffloadEngine:
                 # with master dtype == compute dtype the master is the pinned copy the GPU streams
                 # from: the CPU step waits for the last H2D read of it before writing (_cpu_step)
                 u.w_host = master.to(self.cdt) if self.mdt != self.cdt else master
-                u.g_stage = torch.zeros(u.numel, dtype=self.cdt)
-                u.gacc = torch.zeros(u.numel, dtype=self.gdt)
+                if self.direct:
+                    # one micro-batch per step: grads arrive on the host already in grad dtype
+                    # (converted on the GPU), straight into the accumulator the CPU AdamW reads
+                    u.g_stage = torch.zeros(u.numel, dtype=self.gdt)
+                    u.gacc = u.g_stage
+                else:
+                    u.g_stage = torch.zeros(u.numel, dtype=self.cdt)
+                    u.gacc = torch.zeros(u.numel, dtype=self.gdt)
                 u.w = torch.empty(u.numel, dtype=self.cdt, device=dev) if u.mode == "host_opt" else None
                 if u.w is not None:
                     u.w.copy_(u.w_host)
@@ -162,6 +170,11 @@ class OffloadEngine:
             self._pin_thread.start()
         else:
             self._pin_thread = None
+        self.conv = []
+        if self.direct and host_units and self.gdt != self.cdt:
+            # two rotating chunk buffers for the GPU-side grad conversion before D2H
+            n = min(CONV_CHUNK, max(u.numel for u in host_units))
+            self.conv = [torch.empty(n, dtype=self.gdt, device=dev) for _ in range(2)]
         if stream_units:
             big = max(u.numel for u in stream_units)
             # depth+1 ahead of (or behind) the running block, the running block, and the block whose
@@ -322,19 +335,34 @@ class OffloadEngine:
         if last and self.rounds == 1:
             # the norm of the full grad, computed on the GPU while the copy runs
             self.gpu_sq += torch.linalg.vector_norm(u.g, dtype=torch.float32).square()
+        if self.direct and self.round > 0:
+            raise RuntimeError("offload: the plan has 1 micro-batch per step but the trainer ran more; "
+                               "plan with the trainer's training.global_batch_size")
         u.stage_free.wait()
         u.stage_free.clear()
         cur = self.s.current()
         with self.s.on(self.s.d2h):
             if self.cuda:
                 self.s.d2h.wait_stream(cur)
-            u.g_stage.copy_(u.g, non_blocking=True)
+            if self.conv and self.cuda:
+                # convert on the GPU in chunks, copy each chunk out; the stream orders buffer reuse
+                n = self.conv[0].numel()
+                for k, a in enumerate(range(0, u.numel, n)):
+                    b = min(u.numel, a + n)
+                    buf = self.conv[k % 2][: b - a]
+                    buf.copy_(u.g[a:b])
+                    u.g_stage[a:b].copy_(buf, non_blocking=True)
+            else:
+                u.g_stage.copy_(u.g, non_blocking=True)
             if u.mode == "host_opt":
                 u.g.zero_()
             u.d2h_done = self.s.record(self.s.d2h)
         u.g_free = u.d2h_done
         if u.gslot is not None:
             u.gslot.free = u.d2h_done
+        if self.direct:
+            u.stage_free.set()  # the CPU AdamW waits for d2h_done itself
+            return
         first = self.round == 0
         ev = u.d2h_done
 
@@ -395,8 +423,8 @@ class OffloadEngine:
             return torch.tensor(total), True
         coef = min(1.0, max_norm / (total + 1e-6)) if max_norm and max_norm > 0 else 1.0
         for u in gpu_units:
-            if coef != 1.0:
-                u.gacc.mul_(coef)
+            # clipping folded into the fused AdamW (it divides grads by grad_scale): no extra pass
+            u.opt.grad_scale = torch.full((), 1.0 / coef, device=u.master.device) if coef != 1.0 else None
             u.master.grad = u.gacc if u.gacc.dtype == u.master.dtype else u.gacc.to(u.master.dtype)
             u.opt.param_groups[0]["lr"] = self.lr
             u.opt.step()
@@ -421,8 +449,9 @@ class OffloadEngine:
                 torch.set_num_threads(self.cpu_threads)
             if src_done is not None:
                 src_done.synchronize()  # the last H2D read of w_host has finished
-            if coef != 1.0:
-                u.gacc.mul_(coef)
+            if u.d2h_done is not None:
+                u.d2h_done.synchronize()  # the grads are on the host
+            u.opt.grad_scale = torch.full((), 1.0 / coef) if coef != 1.0 else None
             u.master.grad = u.gacc if u.gacc.dtype == u.master.dtype else u.gacc.to(u.master.dtype)
             u.opt.param_groups[0]["lr"] = lr
             u.opt.step()
