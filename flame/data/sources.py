@@ -7,6 +7,7 @@ gives an ordered iterator per epoch. Text is tokenized here, in whichever proces
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 from typing import Any, Iterator, Sequence
@@ -47,7 +48,7 @@ def _load_error(spec: SourceSpec, e: Exception) -> ConfigError:
     if not os.path.exists(spec.path) and spec.path not in _BUILDER_NAMES:
         return ConfigError(
             f"training.dataset: {spec.path!r} is not a local path and could not be read from the local "
-            f"Hugging Face cache (name={spec.name!r}, split={spec.split!r}; offline machines need it cached "
+            f"Hugging Face cache (name={spec.name!r}; offline machines need it cached "
             f"first, e.g. with datasets.load_dataset on a connected machine): {msg}"
         )
     return ConfigError(f"training.dataset: {spec.path!r} could not be loaded: {msg}")
@@ -76,20 +77,43 @@ def open_hf(spec: SourceSpec, split: str, streaming: bool, role: str) -> Any:
         if isinstance(ds, datasets.DatasetDict):
             ds = ds[_pick_split(list(ds.keys()), split, role, spec)]
         return ds.to_iterable_dataset() if streaming else ds
+    hub = not os.path.exists(path) and path not in _BUILDER_NAMES
     try:
-        if role == "validation" and "data_files" not in kwargs:
-            names = datasets.get_dataset_split_names(path, spec.name, data_dir=spec.data_dir)
-            split = _pick_split(list(names) or [split], split, role, spec)
-        return datasets.load_dataset(path, spec.name, data_dir=spec.data_dir, split=split,
-                                     streaming=streaming, **kwargs)
+        # Hub ids are read from the local cache (no download, no network retries) unless streaming.
+        ctx = _hub_offline() if hub and not streaming else contextlib.nullcontext()
+        with ctx:
+            return _load(datasets, path, spec, split, streaming, role, kwargs)
     except ConfigError:
         raise
+    except StopIteration:
+        raise ConfigError(f"training.dataset: {spec.path!r} is empty (0 documents)") from None
     except (FileNotFoundError, ConnectionError, OSError, ValueError) as e:
         raise _load_error(spec, e) from None
     except Exception as e:  # datasets raises many types (DatasetNotFoundError, HfHubHTTPError, ...)
         if type(e).__module__.startswith(("datasets", "huggingface_hub", "requests", "httpx")):
             raise _load_error(spec, e) from None
         raise
+
+
+@contextlib.contextmanager
+def _hub_offline():
+    import datasets.config
+    import huggingface_hub.constants as hc
+
+    saved = (datasets.config.HF_HUB_OFFLINE, hc.HF_HUB_OFFLINE)
+    datasets.config.HF_HUB_OFFLINE = hc.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        datasets.config.HF_HUB_OFFLINE, hc.HF_HUB_OFFLINE = saved
+
+
+def _load(datasets: Any, path: str, spec: SourceSpec, split: str, streaming: bool, role: str, kwargs: dict) -> Any:
+    if role == "validation" and "data_files" not in kwargs:
+        names = datasets.get_dataset_split_names(path, spec.name, data_dir=spec.data_dir)
+        split = _pick_split(list(names) or [split], split, role, spec)
+    return datasets.load_dataset(path, spec.name, data_dir=spec.data_dir, split=split,
+                                 streaming=streaming, **kwargs)
 
 
 def _pick_split(available: list[str], wanted: str, role: str, spec: SourceSpec) -> str:

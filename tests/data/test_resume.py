@@ -122,3 +122,35 @@ def test_elastic_twice_folds_layers(tmp_path, tok):
         s = global_state(loaders)
     assert_no_overlap(coverage(traces))
     assert len(s["layouts"][0]) <= 2
+
+
+def _dist_worker(rank, path, store, out_q):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        tok = tokenizer()
+        loader = build(tok, rank, 2, dataset=path, batch_size=2, seq_len=16, seed=1)
+        take(loader, 3 + rank)  # ranks at different positions
+        out_q.put((rank, loader.state_dict()[STATE_KEY]))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_distributed_state_is_identical_on_every_rank(tmp_path):
+    import multiprocessing as mp
+
+    path = write_token_folder(tmp_path / "t", token_docs(40))
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_dist_worker, args=(r, path, str(tmp_path / "store"), q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = dict(q.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert got[0] == got[1]
+    state = json.loads(got[0])
+    assert sorted(state["consumers"]) == ["0", "1"]
+    assert [state["consumers"][k]["batches"] for k in ("0", "1")] == [3, 4]

@@ -1,0 +1,115 @@
+"""The trainer-facing API (job config in, loader out), validation loaders, and bad input."""
+
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+from flame_data_testlib import REPO, TOKENIZER, text_docs, tokenizer, write_jsonl
+
+from flame.data import SourceLossMeter, build_dataloader, build_tokenizer, options_for_test
+from flame.errors import ConfigError
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tokenizer()
+
+
+def job(dataset, **training):
+    t = dict(dataset=dataset, dataset_name=None, dataset_split=None, data_dir=None, data_files=None,
+             data_probs=None, text_column=None, streaming=False, varlen=False, context_len=2048, num_workers=0,
+             prefetch_factor=None, pin_memory=False, persistent_workers=False, seed=None, mix_by="documents",
+             boundary_policy="auto", mask_cross_document_labels=False, shuffle_buffer_size=100,
+             local_batch_size=2, batch_size=2, seq_len=16)
+    t.update(training)
+    return SimpleNamespace(
+        training=SimpleNamespace(**t),
+        model=SimpleNamespace(tokenizer_path=TOKENIZER),
+        validation=SimpleNamespace(enable=True, dataset=None, dataset_path=None, local_batch_size=3, seq_len=8,
+                                   freq=10, steps=2),
+    )
+
+
+def test_job_config_api_and_bundled_default(tok):
+    cfg = job(str(REPO / "flame" / "assets" / "sample_corpus"), varlen=True, context_len=8)
+    tokenizer = build_tokenizer(cfg)
+    assert (tokenizer.bos_token, tokenizer.eos_token) == ("<s>", "</s>")
+    loader = build_dataloader(cfg, tokenizer, 0, 1)
+    b = next(iter(loader))
+    assert set(b) == {"input_ids", "labels", "cu_seqlens", "position_ids"}
+    assert b["input_ids"].dtype == torch.long and b["input_ids"].shape == (2, 16)
+    assert b["cu_seqlens"][0] == 0 and b["cu_seqlens"][-1] == 32
+    sd = loader.state_dict()
+    assert isinstance(sd, dict) and len(sd) == 1
+
+
+def test_validation_loader_is_per_source_and_repeatable(tmp_path, tok):
+    a = tmp_path / "a"
+    write_jsonl(a / "train.jsonl", text_docs(20, prefix="a"))
+    write_jsonl(a / "validation.jsonl", text_docs(6, seed=5, prefix="va"))
+    b = write_jsonl(tmp_path / "b_val.jsonl", text_docs(6, seed=6, prefix="vb"))
+    cfg = job(str(a))
+    cfg.validation.dataset = f"{a},{b}"
+    loader = build_dataloader(cfg, tok, 0, 1, split="validation")
+    first = [next(iter(loader)) for _ in range(2)]
+    assert torch.equal(first[0]["input_ids"], first[1]["input_ids"])  # each evaluation starts over
+    batch = first[0]
+    assert batch["input_ids"].shape == (3, 8)
+    assert set(batch["_source_ids"].unique().tolist()) <= {0, 1}
+    meter = SourceLossMeter(loader.source_names)
+    it = iter(loader)
+    for _ in range(4):
+        batch = next(it)
+        meter.update(torch.ones_like(batch["labels"], dtype=torch.float) * 2.0, batch["labels"], batch["_source_ids"])
+    out = meter.compute()
+    assert out["validation/loss"] == pytest.approx(2.0)
+    assert out["validation/a/ppl"] == pytest.approx(torch.e ** 2)
+    # The default validation set is the held-out split of the training sources.
+    cfg.validation.dataset = None
+    assert next(iter(build_dataloader(cfg, tok, 0, 1, split="validation")))["input_ids"].shape == (3, 8)
+
+
+@pytest.mark.parametrize("kw,needle", [
+    (dict(dataset="x.jsonl,y.jsonl", dataset_split="train"), "dataset_split"),
+    (dict(dataset="a,b", data_probs=[1.0, -1.0]), "-1.0"),
+    (dict(dataset="a,b", data_probs=[1.0]), "data_probs"),
+    (dict(dataset="a", seq_len=1), "seq_len: 1"),
+    (dict(dataset="a", varlen=True, context_len=64, seq_len=32), "context_len: 64"),
+    (dict(dataset="a", mix_by="bytes"), "bytes"),
+    (dict(dataset=" "), "dataset"),
+])
+def test_bad_options_name_the_value(kw, needle):
+    with pytest.raises(ConfigError, match=needle):
+        options_for_test(**kw)
+
+
+def test_bad_sources_name_the_value(tmp_path, tok):
+    from flame_data_testlib import build
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    nocol = write_jsonl(tmp_path / "n.jsonl", ["x"], column="body")
+    cases = [
+        (dict(dataset="./does/not/exist"), "does/not/exist"),
+        (dict(dataset=str(tmp_path / "*.parquet")), "matches no file"),
+        (dict(dataset=nocol), "text_column"),
+        (dict(dataset=nocol, text_column="nope"), "'nope'"),
+        (dict(dataset="flame-nonexistent-org/nonexistent-dataset"), "nonexistent-dataset"),
+    ]
+    for kw, needle in cases:
+        with pytest.raises(ConfigError, match=needle):
+            build(tok, **kw)
+    with pytest.raises(ConfigError, match="model.tokenizer_path"):
+        build_tokenizer(SimpleNamespace(model=SimpleNamespace(tokenizer_path=str(tmp_path / "nope"))))
+    with pytest.raises(Exception, match="empty"):
+        build(tok, dataset=str(empty))
+
+
+def test_preprocess_cli_bad_input_exits_nonzero(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "flame.utils.preprocess", "--dataset", str(tmp_path / "missing.jsonl"),
+                        "--tokenizer", TOKENIZER, "--output", str(tmp_path / "out")],
+                       capture_output=True, text=True, cwd=REPO, env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin"})
+    assert r.returncode != 0
+    assert "missing.jsonl" in r.stderr.strip().splitlines()[-1]
