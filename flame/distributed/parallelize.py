@@ -104,6 +104,16 @@ def apply_fsdp(model: nn.Module, mesh, job_config, force_sum: bool) -> None:
                 m.set_force_sum_reduction_for_comms(True)
 
 
+def _clearly_fits(model: nn.Module, parallel_dims, job_config, device: torch.device) -> bool:
+    """First-order check that skips the planner for small models: fp32 master + grads + two
+    AdamW moments + a bf16 compute copy (18 bytes/param) per shard under half the budget."""
+    budget = job_config.offload.gpu_memory_gib
+    total = budget * 2**30 if budget else torch.cuda.get_device_properties(device).total_memory
+    shards = parallel_dims.dp_shard * parallel_dims.tp
+    state = sum(p.numel() for p in model.parameters()) * 18 / max(shards, 1)
+    return state < 0.5 * total
+
+
 def maybe_offload(model: nn.Module, parallel_dims, job_config, device: torch.device, init_fn):
     """The offload decision: ``on`` always offloads; ``auto`` offloads on a GPU when the planner
     says the plain plan does not fit the budgets (on CPU there is nothing to offload to)."""
@@ -114,6 +124,9 @@ def maybe_offload(model: nn.Module, parallel_dims, job_config, device: torch.dev
 
     world = parallel_dims.world_size
     if mode == "auto":
+        if _clearly_fits(model, parallel_dims, job_config, device):
+            logger.info("offload: model state uses under half the GPU budget; plain plan, no planner run")
+            return None
         plan, _, _ = build_plan(model, job_config, device, world)  # shapes only: the model stays on meta
         if not plan.offloads:
             logger.info("offload: the plain plan fits the budgets; no offload")
