@@ -191,8 +191,8 @@ class Trainer(Stateful):
         os.replace(tmp, path)
 
     # -- one optimizer step --------------------------------------------------------------
-    def forward_loss_sum(self, batch: dict) -> torch.Tensor:
-        """Sum of the token losses of one micro-batch (the caller normalizes)."""
+    def forward_logits(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits of one micro-batch and its labels in the same layout."""
         labels = batch["labels"]
         inputs = {"input_ids": batch["input_ids"]}
         if "cu_seqlens" in batch:
@@ -202,9 +202,13 @@ class Trainer(Stateful):
                 "position_ids": batch["position_ids"].reshape(1, -1),
                 "cu_seqlens": batch["cu_seqlens"],
             }
-        with self.amp, sdpa_priority(self.device):
+        with self.amp:
             logits = self.model(**inputs, use_cache=False).logits
-        return self.loss_fn(logits, labels.reshape(logits.shape[:-1]))
+        return logits, labels.reshape(logits.shape[:-1])
+
+    def forward_loss_sum(self, batch: dict) -> torch.Tensor:
+        """Sum of the token losses of one micro-batch (the caller normalizes)."""
+        return cross_entropy_sum(*self.forward_logits(batch))
 
     def _to_device(self, batch: dict) -> dict:
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items() if not k.startswith("_")}
@@ -266,19 +270,20 @@ class Trainer(Stateful):
     # -- validation ----------------------------------------------------------------------
     @torch.no_grad()
     def validate(self) -> None:
+        """Held-out loss and perplexity, overall and per source, on ``validation.steps`` batches."""
+        from flame.data import SourceLossMeter
+
         self.model.eval()
-        loss_sum = torch.zeros((), device=self.device)
-        tokens = torch.zeros((), device=self.device)
+        meter = SourceLossMeter(self.val_loader.source_names)
         it = iter(self.val_loader)
-        steps = self.cfg.validation.steps if self.cfg.validation.steps > 0 else 1
-        for _ in range(steps):
-            batch = self._to_device(next(it))
-            loss_sum += self.forward_loss_sum(batch)
-            tokens += (batch["labels"] != IGNORE_INDEX).sum()
-        mesh = self.parallel_dims.get_optional_mesh("batch")
-        loss_sum, tokens = all_sum(loss_sum, mesh), all_sum(tokens.float(), mesh)
-        loss = (loss_sum / tokens.clamp(min=1)).item()
-        self.metrics.log_scalars("validation", {"loss": loss, "perplexity": float(torch.exp(torch.tensor(loss)))}, self.step)
+        for _ in range(max(self.cfg.validation.steps, 1)):
+            raw = next(it)
+            logits, labels = self.forward_logits(self._to_device(raw))
+            token_loss = F.cross_entropy(
+                logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
+            )
+            meter.update(token_loss, labels, raw["_source_ids"])
+        self.metrics.log_scalars(meter.compute(), self.step)
         self.model.train()
 
     # -- the loop ------------------------------------------------------------------------

@@ -121,13 +121,13 @@ class MetricsLogger:
         self.last_step = step
         return record
 
-    def log_scalars(self, prefix: str, values: dict, step: int) -> None:
-        named = {f"{prefix}/{k}": v for k, v in values.items()}
-        self.backend.log(named, step)
+    def log_scalars(self, values: dict, step: int) -> None:
+        """Extra metrics with full names (e.g. ``validation/loss``) to every backend."""
+        self.backend.log(values, step)
         if self.jsonl:
             with open(self.jsonl, "a") as f:
-                f.write(json.dumps({"step": step, **named}) + "\n")
-        logger.info(f"{prefix} step {step}: " + "  ".join(f"{k} {v:.4f}" for k, v in values.items()))
+                f.write(json.dumps({"step": step, **values}) + "\n")
+        logger.info(f"step {step}: " + "  ".join(f"{k} {v:.4f}" for k, v in values.items()))
 
     def close(self) -> None:
         self.backend.close()

@@ -7,12 +7,16 @@ import sys
 
 import pytest
 
-from tests.trainer.helpers import ROOT, losses, metrics, run_job, tiny_job, torchrun
+from tests.trainer.helpers import CORPUS, ROOT, losses, metrics, run_job, tiny_job, torchrun
 
 
 def test_single_process_trains_and_writes_outputs(tmp_path):
     dump = str(tmp_path / "run")
-    run_job(1, dump, "--training.steps", "16", "--checkpoint.interval", "8", "--checkpoint.keep_latest_k", "1")
+    run_job(1, dump, "--training.steps", "16", "--checkpoint.interval", "8", "--checkpoint.keep_latest_k", "1",
+            "--validation.enable", "--validation.dataset", CORPUS, "--validation.steps", "2", "--validation.interval", "8")
+    val = [r for r in metrics(dump) if "validation/loss" in r]
+    assert [r["step"] for r in val] == [8, 16] and val[1]["validation/loss"] < val[0]["validation/loss"]
+    assert "validation/sample_corpus/ppl" in val[0]
     ls = losses(dump)
     assert len(ls) == 16 and sum(ls[-4:]) / 4 < sum(ls[:4]) / 4 - 0.3, ls
     rec = metrics(dump)[-1]
