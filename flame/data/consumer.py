@@ -26,7 +26,7 @@ class MapShare:
         self.source, self.layout, self.v, self.V = source, layout, v, V
         self.seed, self.index, self.shuffle = seed, index, shuffle
         self.taken = taken  # share entries handed out so far
-        self._queue: list[tuple[np.ndarray, int]] = []
+        self._queue: list[tuple[np.ndarray, int, tuple[int, int]]] = []
         self._perms: dict[int, Permutation] = {}
 
     def _doc_indices(self, ordinals: np.ndarray) -> np.ndarray:
@@ -47,8 +47,7 @@ class MapShare:
     def next(self) -> tuple[np.ndarray, int, tuple[int, int]]:
         """(token ids, tokens already emitted, (document index, epoch))."""
         if not self._queue:
-            start = self.taken + len(self._queue)
-            ordinals, offsets = self.layout.share(self.v, self.V, start, FETCH_DOCS)
+            ordinals, offsets = self.layout.share(self.v, self.V, self.taken, FETCH_DOCS)
             indices = self._doc_indices(ordinals)
             docs = self.source.fetch(indices)
             epochs = (ordinals // self.source.num_docs).tolist()
@@ -172,7 +171,7 @@ class Consumer:
                 share.untake()
             else:
                 share.rewind(int(cur[2]))
-            self._load_doc(s, *share.next(), extra_offset=offset, fresh=False)
+            self._load_doc(s, *share.next(), extra_offset=offset)
 
     # -- mixing ---------------------------------------------------------------------------------
     def _pick_source(self) -> int:
@@ -189,8 +188,7 @@ class Consumer:
         self.draws += 1
         return int(np.searchsorted(self.cum, u, side="right").clip(0, len(self.cum) - 1))
 
-    def _load_doc(self, s: int, raw: np.ndarray, start_offset: int, ident: tuple[int, int], extra_offset: int = 0,
-                  fresh: bool = True):
+    def _load_doc(self, s: int, raw: np.ndarray, start_offset: int, ident: tuple[int, int], extra_offset: int = 0):
         parts = []
         if self.boundary.bos is not None:
             parts.append(np.asarray([self.boundary.bos], dtype=np.int64))

@@ -56,7 +56,8 @@ def preprocess(args: argparse.Namespace) -> dict:
             return {"input_ids": tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]}
 
         ds = ds.map(tokenize, batched=True, batch_size=args.batch_size, num_proc=max(1, args.num_proc),
-                    remove_columns=[column], desc="tokenizing")
+                    remove_columns=[column], desc="tokenizing",
+                    load_from_cache_file=False)  # a run with another tokenizer of the same path must not reuse ids
     elif column != "input_ids":
         ds = ds.rename_column(column, "input_ids")
     writer = ShardWriter(args.output, vocab_size=len(tokenizer), shard_tokens=args.shard_tokens)
