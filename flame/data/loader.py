@@ -107,4 +107,6 @@ class FlameDataLoader(ParallelAwareDataloader):
 
     def _log_tokens(self, g: dict) -> None:
         counts = gstate.summary(g)["tokens"]
+        if not any(counts.values()):
+            return  # nothing read yet (e.g. the template DCP asks for before loading)
         logger.info("dataloader tokens per source: " + ", ".join(f"{k}={v:,}" for k, v in counts.items()))
