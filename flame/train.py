@@ -286,6 +286,21 @@ class Trainer(Stateful):
         self.metrics.log_scalars(meter.compute(), self.step)
         self.model.train()
 
+    def probe(self) -> None:
+        """Research probes on one held-out batch (the first validation batch)."""
+        from flame.components.probes import run_probes
+
+        if getattr(self, "probe_ids", None) is None:
+            from flame.data import build_dataloader
+
+            loader = self.val_loader or build_dataloader(
+                self.cfg, self.tokenizer, self.dp_rank, self.dp_degree, split="validation"
+            )
+            self.probe_ids = next(iter(loader))["input_ids"][:1].to(self.device)
+        with self.amp:
+            values = run_probes(self.model, self.probe_ids, self.cfg.probes.sink_threshold)
+        self.metrics.log_scalars(values, self.step)
+
     # -- the loop ------------------------------------------------------------------------
     def train(self) -> None:
         cfg = self.cfg
@@ -315,6 +330,8 @@ class Trainer(Stateful):
                 self.checkpointer.save(self.step, last_step=self.step == cfg.training.steps)
                 if self.val_loader is not None and self.step % cfg.validation.freq == 0:
                     self.validate()
+                if cfg.probes.interval > 0 and self.step % cfg.probes.interval == 0:
+                    self.probe()
                 if prof:
                     prof.step()
                 if self.step == 1 and self.device.type == "cuda":
