@@ -45,6 +45,7 @@ def llama(size: str):
         c = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=8,
                         num_key_value_heads=4, vocab_size=32000)
     c._attn_implementation = "sdpa"
+    c.use_cache = False  # training: no KV cache
     return c
 
 

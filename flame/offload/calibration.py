@@ -43,9 +43,16 @@ __all__ = ["compare", "refit", "asdict"]
 
 
 def _time(fn, iters: int = 3) -> float:
+    import time
+
     import torch
 
     fn()
+    if not torch.cuda.is_available():
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return (time.perf_counter() - t0) / iters
     torch.cuda.synchronize()
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()
@@ -56,7 +63,7 @@ def _time(fn, iters: int = 3) -> float:
     return a.elapsed_time(b) / 1e3 / iters
 
 
-def measure_block_fudge(config, costs, prof, micro_batch: int, seq_len: int, dtype) -> dict:
+def measure_block_fudge(config, costs, prof, micro_batch: int, seq_len: int, dtype, device: str = "cuda") -> dict:
     """Time one real block (fwd, fwd+bwd) on the GPU at the run's shapes and compare with the
     FLOP-based prediction; returns {"fudge": measured / predicted, ...} for `solve(fudge=...)`."""
     import copy
@@ -68,20 +75,21 @@ def measure_block_fudge(config, costs, prof, micro_batch: int, seq_len: int, dty
 
     c1 = copy.deepcopy(config)
     c1.num_hidden_layers = 1
-    with torch.device("cuda"):
+    c1.use_cache = False  # a KV cache would chain every timed call's graph to the previous one
+    with torch.device(device):
         m = AutoModelForCausalLM.from_config(c1, dtype=dtype)
     got = {}
     blk = m.model.layers[0]
     h = blk.register_forward_pre_hook(lambda mod, a, k: got.update(a=a, k=k), with_kwargs=True)
     with torch.no_grad():
-        m(torch.zeros((micro_batch, seq_len), dtype=torch.long, device="cuda"))
+        m(torch.zeros((micro_batch, seq_len), dtype=torch.long, device=device), use_cache=False)
     h.remove()
 
     def prep(x):
         return x.detach().requires_grad_(True) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
 
     args = [prep(x) for x in got["a"]]
-    kwargs = {k: prep(v) if k == "hidden_states" else v for k, v in got["k"].items()}
+    kwargs = {k: prep(v) if k == "hidden_states" else v for k, v in got["k"].items() if k != "past_key_values"}
 
     def fwd():
         with torch.no_grad():
@@ -95,6 +103,7 @@ def measure_block_fudge(config, costs, prof, micro_batch: int, seq_len: int, dty
     tf, tfb = _time(fwd), _time(fwd_bwd)
     pf, pb = unit_times(costs.layers[0], prof, micro_batch / costs.micro_batch)
     del m, blk, args, kwargs
-    torch.cuda.empty_cache()
+    if device == "cuda":
+        torch.cuda.empty_cache()
     return {"fudge": tfb / (pf + pb), "measured_fwd_s": tf, "measured_fwd_bwd_s": tfb,
             "predicted_fwd_s": pf, "predicted_fwd_bwd_s": pf + pb}

@@ -176,7 +176,12 @@ def measure_costs(model: nn.Module, micro_batch: int, seq_len: int, loss: bool =
     fc = FlopCounterMode(display=False)
     try:
         with fc, torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t):
-            out = model(ids)
+            # HF's no-cache path inspects position ids (data-dependent, impossible on meta), so
+            # ask for a cache: it only holds references to k/v, no extra saved tensors
+            try:
+                out = model(ids, use_cache=True)
+            except TypeError:
+                out = model(ids)
             logits = out.logits if hasattr(out, "logits") else out
             if loss:
                 val = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), ids.flatten(0, 1), reduction="sum")

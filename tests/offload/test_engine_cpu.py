@@ -144,3 +144,14 @@ def test_nan_grad_skips_step():
     assert skipped and not torch.isfinite(norm)
     for k, v in eng.model_state_dict().items():
         torch.testing.assert_close(v, before[k], equal_nan=True)
+
+
+def test_block_calibration_runs_repeatedly_on_cpu():
+    from flame.offload.calibration import measure_block_fudge
+    from flame.offload.costs import measure_costs
+    from test_planner import prof
+
+    m = tiny()
+    costs = measure_costs(m, 2, 16)
+    cal = measure_block_fudge(m.config, costs, prof(), 2, 16, torch.float32, device="cpu")
+    assert cal["fudge"] > 0 and cal["measured_fwd_bwd_s"] > 0

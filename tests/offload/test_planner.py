@@ -27,7 +27,7 @@ def prof(**kw):
 @pytest.fixture(scope="module")
 def costs():
     cfg = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=8,
-                      num_key_value_heads=4, vocab_size=32000)
+                      num_key_value_heads=4, vocab_size=32000, use_cache=False)  # as in training
     cfg._attn_implementation = "sdpa"
     return measure_costs(meta_model(cfg), 2, 2048)
 
