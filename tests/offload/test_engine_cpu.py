@@ -155,3 +155,15 @@ def test_block_calibration_runs_repeatedly_on_cpu():
     costs = measure_costs(m, 2, 16)
     cal = measure_block_fudge(m.config, costs, prof(), 2, 16, torch.float32, device="cpu")
     assert cal["fudge"] > 0 and cal["measured_fwd_bwd_s"] > 0
+
+
+def test_bf16_compute_policy_same_across_modes():
+    """bf16 compute / fp32 master: streaming and CPU AdamW give the all-GPU-mode numbers."""
+    mixed = {"compute": "bfloat16", "master": "float32", "grad": "float32", "moment": "float32"}
+    b = batches(3, 1, seed=4)
+    a_mod, s_mod = tiny(seed=6), tiny(seed=6)
+    a, _ = run_engine(a_mod, plan(["gpu"] * 4, ["keep"] * 4, "gpu", dtypes=mixed), b, 1, max_norm=0.5)
+    s, eng = run_engine(s_mod, plan(["stream", "host_opt", "stream", "gpu"], ["recompute", "keep", "keep", "keep"], "host_opt",
+                                    dtypes=mixed), b, 1, max_norm=0.5)
+    assert s == pytest.approx(a, rel=1e-3)
+    assert all(v.dtype == torch.float32 for v in eng.model_state_dict().values())
