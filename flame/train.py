@@ -141,7 +141,11 @@ class Trainer(Stateful):
         )
 
         if self.offload is not None:
-            self.optimizers = self.offload.optimizers()
+            from flame.components.optimizer import param_groups
+            from flame.offload.adapter import EngineModelState, EngineOptimizers
+
+            groups = param_groups(model, cfg.optimizer.weight_decay, cfg.optimizer.no_weight_decay)
+            self.optimizers = EngineOptimizers(self.offload, cfg.optimizer.lr, len(groups))
         else:
             self.optimizers = build_optimizers([model], cfg.optimizer, self.device)
         self.lr_schedulers = build_lr_schedulers(self.optimizers, cfg.lr_scheduler, t.steps)
@@ -160,6 +164,8 @@ class Trainer(Stateful):
             sd_adapter=None,
             base_folder=cfg.job.dump_folder,
         )
+        if self.offload is not None:
+            self.checkpointer.states["model"] = EngineModelState(self.offload)
 
         from flame.models.flops import flops_per_token
 
@@ -237,7 +243,7 @@ class Trainer(Stateful):
         self.metrics.tokens_since += step_tokens
 
         if self.offload is not None:
-            grad_norm, skipped = self.offload.optimizer_step(cfg.training.max_norm, cfg.training.skip_nan_inf)
+            grad_norm, skipped = self.optimizers.step(cfg.training.max_norm, cfg.training.skip_nan_inf)
         else:
             grad_norm, skipped = self.clip_and_step()
         if skipped:

@@ -16,7 +16,10 @@ def export_trained_model(trainer, out_dir: str | None = None) -> str:
 
     cfg = trainer.cfg
     out_dir = out_dir or os.path.join(cfg.job.dump_folder, "hf")
-    state = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if trainer.offload is not None:  # master weights live in the engine (one process)
+        state = {k: v.detach().cpu() for k, v in trainer.offload.model_state_dict().items()}
+    else:
+        state = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if torch.distributed.get_rank() == 0:
         export_hf(state, trainer.model_config, trainer.tokenizer, out_dir, dtype=cfg.checkpoint.export_dtype, overwrite=True)
         logger.info(f"Exported Hugging Face model to {out_dir}")

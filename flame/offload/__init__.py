@@ -102,8 +102,13 @@ def apply_offload(model, job_config, parallel_dims, device):
     if world > 1:
         raise ConfigError(f"offload: world size {world}: the offload engine runs one GPU per job for now "
                           "(set offload.enable=off or use 1 GPU)")
+    from flame.components.optimizer import param_groups
+
+    no_decay_ids = {id(p) for g in param_groups(model, 1.0, list(_get(job_config, "optimizer.no_weight_decay", [])))
+                    if g["weight_decay"] == 0.0 for p in g["params"]}
     engine = OffloadEngine(
         model, plan, torch.device(device),
+        no_decay={n for n, p in model.named_parameters(remove_duplicate=False) if id(p) in no_decay_ids},
         lr=float(_get(job_config, "optimizer.lr", 1e-3)),
         betas=(float(_get(job_config, "optimizer.beta1", 0.9)), float(_get(job_config, "optimizer.beta2", 0.95))),
         eps=float(_get(job_config, "optimizer.eps", 1e-8)),

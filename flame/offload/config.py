@@ -74,8 +74,9 @@ class Offload:
 
     overrides: list[str] = field(default_factory=list)
     """Per-decision overrides for experts, comma-separated `key=value`, block index ranges allowed:
-    `weights[0-3]=gpu`, `weights[4-31]=host`, `grads[*]=host`, `optimizer[*]=cpu`,
-    `activations[*]=recompute|keep|offload|selective`, `prefetch=2`, `micro_batch_tokens=8192`."""
+    `weights[i-j]=gpu|host|resident` (host = streamed with grads/optimizer on the host,
+    resident = weights on GPU with the optimizer on the CPU), `optimizer[*]=gpu|cpu`,
+    `activations[*]=keep|recompute`, `prefetch=2`, `micro_batch_tokens=8192`."""
 
     def validate(self) -> None:
         """Raise ConfigError (one line naming the value) on bad input."""

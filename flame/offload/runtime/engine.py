@@ -75,7 +75,8 @@ class _Slot:
 
 class OffloadEngine:
     def __init__(self, model: nn.Module, plan: Plan, device: torch.device, lr: float = 1e-3,
-                 betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0, description: str = ""):
+                 betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0, description: str = "",
+                 no_decay: set[str] | None = None):
         self.model, self.plan, self.device = model, plan, torch.device(device)
         self.description = description
         dts = plan.dtypes
@@ -86,6 +87,9 @@ class OffloadEngine:
         self.cuda = self.s.cuda
         self.pin = self.cuda
         self.lr, self.betas, self.eps, self.wd = lr, betas, eps, weight_decay
+        # parameters without weight decay (norms, biases, embeddings) as in the plain optimizer;
+        # decay is applied by hand (decoupled, as AdamW does) on the decayed slices of each flat unit
+        self.no_decay = set(no_decay or ())
         self.rounds = plan.rounds
         self.direct = plan.rounds == 1
         self.depth = plan.prefetch_depth
@@ -110,6 +114,8 @@ class OffloadEngine:
             units.append(Unit(i + 1, f"{blocks_name}.{i}", ps, plan.layer_modes[i], plan.layer_acts[i]))
         outer = [(fqn_of[id(p)][0], p) for p in model.parameters() if id(p) not in block_ids]
         self.units = [Unit(0, "outer", outer, plan.outer_mode, "keep")] + units
+        for u in self.units:
+            u.decay = [(o, p.numel()) for (fqn, p), o in zip(u.params, u.offsets) if fqn not in self.no_decay]
         for mod in model.modules():  # buffers (rotary tables, ...) live on the compute device
             for k, b in list(mod._buffers.items()):
                 if b is not None:
@@ -155,7 +161,7 @@ class OffloadEngine:
             u.g = torch.zeros(u.numel, dtype=self.cdt, device=dev) if u.mode != "stream" else None
             if u.mode == "gpu":
                 u.gacc = u.g if self.gdt == self.cdt else torch.zeros(u.numel, dtype=self.gdt, device=dev)
-            u.opt = torch.optim.AdamW([u.master], lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.wd, fused=True)
+            u.opt = torch.optim.AdamW([u.master], lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=0.0, fused=True)
             if u.w is not None:
                 u.bind(u.w)
             if u.g is not None:
@@ -427,6 +433,7 @@ class OffloadEngine:
             u.opt.grad_scale = torch.full((), 1.0 / coef, device=u.master.device) if coef != 1.0 else None
             u.master.grad = u.gacc if u.gacc.dtype == u.master.dtype else u.gacc.to(u.master.dtype)
             u.opt.param_groups[0]["lr"] = self.lr
+            self._decay(u, self.lr)
             u.opt.step()
             u.master.grad = None
             if not _same(u.w, u.master):
@@ -443,6 +450,12 @@ class OffloadEngine:
             self.pool.submit(self._cpu_step, u, coef, self.lr, src_done)
         return torch.tensor(total), False
 
+    def _decay(self, u: Unit, lr: float) -> None:
+        """AdamW's decoupled weight decay, p *= 1 - lr * wd, on the decayed parameters only."""
+        if self.wd:
+            for off, n in u.decay:
+                u.master.data[off:off + n].mul_(1.0 - lr * self.wd)
+
     def _cpu_step(self, u: Unit, coef: float, lr: float, src_done) -> None:
         try:
             if self.cpu_threads:
@@ -454,6 +467,7 @@ class OffloadEngine:
             u.opt.grad_scale = torch.full((), 1.0 / coef) if coef != 1.0 else None
             u.master.grad = u.gacc if u.gacc.dtype == u.master.dtype else u.gacc.to(u.master.dtype)
             u.opt.param_groups[0]["lr"] = lr
+            self._decay(u, lr)
             u.opt.step()
             u.master.grad = None
             if not _same(u.w_host, u.master):
@@ -535,6 +549,7 @@ class OffloadEngine:
                     out[f"state.{fqn}.step"] = st["step"]
                 for k, v in group.items():
                     out[f"param_groups.{fqn}.{k}"] = v
+                out[f"param_groups.{fqn}.weight_decay"] = 0.0 if fqn in self.no_decay else self.wd
         return out
 
     def load_optimizer_state_dict(self, sd: dict) -> None:
@@ -550,7 +565,7 @@ class OffloadEngine:
                     v.copy_(sd[f"state.{fqn}.{k}"].reshape(v.shape))
                 st[k] = flat
             u.opt.state[u.master] = st
-            for k in ("lr", "betas", "eps", "weight_decay"):
+            for k in ("lr", "betas", "eps"):  # weight decay stays per parameter (see _decay)
                 key = f"param_groups.{fqn0}.{k}"
                 if key in sd:
                     u.opt.param_groups[0][k] = sd[key]
