@@ -538,7 +538,15 @@ class OffloadEngine:
         self.synchronize()
         out = {}
         for u in self.units:
-            st = u.opt.state.get(u.master, {})
+            if not u.opt.state.get(u.master):
+                # DCP loads into the tensors this returns: before the first step they must exist.
+                # Zero moments at step 0 are exactly what AdamW starts from.
+                u.opt.state[u.master] = {
+                    "step": torch.zeros((), dtype=torch.float32, device=u.master.device),
+                    "exp_avg": torch.zeros_like(u.master.data),
+                    "exp_avg_sq": torch.zeros_like(u.master.data),
+                }
+            st = u.opt.state[u.master]
             group = {k: v for k, v in u.opt.param_groups[0].items() if k != "params"}
             for fqn, p, _ in self._views(u, u.master.data):
                 o = u.offsets[[q is p for _, q in u.params].index(True)]
