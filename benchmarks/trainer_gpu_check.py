@@ -27,13 +27,14 @@ def job(model: str, dump: str, steps: int, nproc: int) -> list[str]:
         "--training.batch_size", "4", "--training.seq_len", "2048", "--training.num_workers", "2",
         "--training.steps", str(steps), "--lr_scheduler.warmup_steps", "10", "--lr_scheduler.total_steps", "50",
         "--optimizer.lr", "1e-3", "--metrics.log_freq", "1", "--checkpoint.interval", "25",
-        "--checkpoint.keep_latest_k", "2", "--job.dump_folder", dump,
+        "--checkpoint.keep_latest_k", "2", "--job.dump_folder", dump, "--offload.enable", "off",
     ]
 
 
 def run(cmd: list[str], nproc: int) -> None:
     env = dict(os.environ, NGPU=str(nproc), PYTHON=sys.executable)
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    print("running:", " ".join(cmd[-14:]), flush=True)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=int(os.environ.get("RUN_TIMEOUT", "240")))
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd[:4])} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
 
@@ -45,9 +46,11 @@ def records(dump: str) -> list[dict]:
 
 def check(model: str, nproc: int) -> dict:
     full, split = f"{RUNS}/{model}-n{nproc}-full", f"{RUNS}/{model}-n{nproc}-split"
-    run(job(model, full, 50, nproc), nproc)
-    run(job(model, split, 25, nproc), nproc)
-    run(job(model, split, 50, nproc), nproc)
+    # the uninterrupted run writes no checkpoint; the split run saves a full one at step 25,
+    # resumes from it, ends with a model-only save and the HF export
+    run(job(model, full, 50, nproc) + ["--checkpoint.no-enable-checkpoint", "--checkpoint.no-export-hf"], nproc)
+    run(job(model, split, 25, nproc) + ["--checkpoint.no-export-hf"], nproc)
+    run(job(model, split, 50, nproc) + ["--checkpoint.last_save_model_weights_only"], nproc)
     a, b = records(full), records(split)
     la, lb = [r["loss"] for r in a], [r["loss"] for r in b]
     steady = a[10:]
@@ -59,7 +62,7 @@ def check(model: str, nproc: int) -> dict:
         "resume_steps_compared": min(len(la), len(lb)),
         "tokens_per_second": mean("tokens_per_second"), "tflops_per_device": mean("tflops"),
         "mfu_pct_vs_spec_peak": mean("mfu_pct"), "memory_peak_gib": max(r.get("memory_peak_gib", 0) for r in a),
-        "hf_export": os.path.isfile(os.path.join(full, "hf", "config.json")),
+        "hf_export": os.path.isfile(os.path.join(split, "hf", "config.json")),
         "losses": la,
     }
 
@@ -71,8 +74,19 @@ def main() -> None:
     for m in models:
         try:
             results.append(check(m, nproc))
-        except Exception as e:  # report the failure, go on with the next model
-            results.append({"model": m, "nproc": nproc, "error": str(e)[-3000:]})
+        except Exception as e:  # report the failure (with the steps it reached), go on
+            partial = {}
+            for tag in ("full", "split"):
+                try:
+                    partial[tag] = [(r["step"], round(r["loss"], 4), round(r["step_time"], 3)) for r in records(f"{RUNS}/{m}-n{nproc}-{tag}")]
+                except OSError:
+                    pass
+            results.append({"model": m, "nproc": nproc, "error": str(e)[-3000:], "reached": partial})
+        write(out, results)
+    print_table(results)
+
+
+def write(out: str, results: list) -> None:
     doc = {
         "what": "flame trainer GPU acceptance: 50 steps via train.sh, batch 4 x seq 2048, bf16 autocast, resume at 25",
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
@@ -81,6 +95,9 @@ def main() -> None:
     }
     with open(out, "w") as f:
         json.dump(doc, f, indent=1)
+
+
+def print_table(results: list) -> None:
     print(f"{'model':<22}{'n':>3}{'loss0':>8}{'loss50':>8}{'resume diff':>13}{'tok/s':>10}{'TFLOP/s':>9}{'mem GiB':>9}")
     for r in results:
         if "error" in r:
