@@ -38,3 +38,11 @@ def test_varlen_training(tmp_path, family):
             "--checkpoint.no-enable-checkpoint", config=config)
     ls = losses(dump)
     assert len(ls) == 5 and min(ls[-2:]) < ls[0], ls
+
+
+def test_per_block_compile_and_activation_checkpointing(tmp_path):
+    dump = str(tmp_path / "compiled")
+    run_job(1, dump, "--training.steps", "3", "--training.compile", "--activation_checkpoint.mode", "full",
+            "--training.batch_size", "2", "--training.seq_len", "32", "--checkpoint.no-enable-checkpoint",
+            config=os.path.join(ROOT, "configs/debug/transformer_tiny.json"))
+    assert len(losses(dump)) == 3
