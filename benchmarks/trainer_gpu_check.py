@@ -8,6 +8,7 @@ Prints a table and writes JSON (device, torch version, command, date, per-model 
 import datetime
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -46,6 +47,8 @@ def records(dump: str) -> list[dict]:
 
 def check(model: str, nproc: int) -> dict:
     full, split = f"{RUNS}/{model}-n{nproc}-full", f"{RUNS}/{model}-n{nproc}-split"
+    for d in (full, split):  # metrics.jsonl appends across launches: start clean
+        shutil.rmtree(d, ignore_errors=True)
     # the uninterrupted run writes no checkpoint; the split run saves a full one at step 25,
     # resumes from it, ends with a model-only save and the HF export
     run(job(model, full, 50, nproc) + ["--checkpoint.no-enable-checkpoint", "--checkpoint.no-export-hf"], nproc)
