@@ -15,6 +15,7 @@ from datetime import timedelta
 import torch
 import torch.nn.functional as F
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
 from torchtitan.components.lr_scheduler import build_lr_schedulers
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed import ParallelDims
@@ -26,7 +27,7 @@ import torch.distributed._functional_collectives as funcol
 from flame.components.checkpoint import FlameCheckpointManager
 from flame.components.loss import IGNORE_INDEX, compiled_cross_entropy_sum, cross_entropy_sum
 from flame.components.metrics import MetricsLogger
-from flame.components.optimizer import build_optimizers
+from flame.components.optimizer import build_optimizers, clip_grad_norm_
 from flame.config.manager import FlameConfigManager
 from flame.distributed.device import init_process_group, local_device
 from flame.distributed.parallelize import parallelize
@@ -65,6 +66,22 @@ def _parallel_dims(cfg, world_size: int) -> ParallelDims:
             f"parallel degrees dp_replicate={degrees['dp_replicate']} x dp_shard={degrees['dp_shard']} x "
             f"tp={degrees['tp']} do not multiply to the world size {world_size}"
         ) from None
+
+
+def _init_like_one_process(model, model_config, seed: int, varlen: bool) -> None:
+    """Give a sharded model on CPU the weights one process would draw from ``seed``.
+
+    DTensor random ops have no RNG tracker on CPU meshes, so every rank draws the same local
+    shard (TP heads and FSDP rows repeat across ranks). CPU runs are small: each rank builds
+    the full model, initializes it and keeps its own slices.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    full = model_build.build_meta_model(model_config, varlen=varlen)
+    full.to_empty(device="cpu")
+    model_build.init_weights(full, seed)
+    opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
+    set_model_state_dict(model, full.state_dict(), options=opts)
 
 
 def sdpa_priority(device: torch.device):
@@ -129,6 +146,8 @@ class Trainer(Stateful):
         if self.offload is None:
             model.to_empty(device=self.device)
             model_build.init_weights(model, seed)
+            if self.device.type == "cpu" and any(isinstance(p, DTensor) for p in model.parameters()):
+                _init_like_one_process(model, self.model_config, seed, t.varlen)
         model.train()
         self.model = model
 
@@ -259,14 +278,8 @@ class Trainer(Stateful):
             self.metrics.log(self.step, loss_value, float(grad_norm), lr, {"tokens_seen": self.ntokens_seen * self.dp_degree})
 
     def clip_and_step(self) -> tuple[torch.Tensor, bool]:
-        t, pd = self.cfg.training, self.parallel_dims
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        if t.max_norm > 0:
-            grad_norm = dist_utils.clip_grad_norm_(params, t.max_norm, foreach=True, pp_mesh=None)
-        else:
-            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
-            if hasattr(grad_norm, "full_tensor"):
-                grad_norm = grad_norm.full_tensor()
+        t = self.cfg.training
+        grad_norm = clip_grad_norm_(self.model.parameters(), t.max_norm)  # only measures when max_norm is 0
         if t.skip_nan_inf and not torch.isfinite(grad_norm).item():
             return grad_norm, True
         self.checkpointer.maybe_wait_for_staging()

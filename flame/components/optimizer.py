@@ -2,6 +2,7 @@
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from torchtitan.components.optimizer import OptimizersContainer
 
@@ -23,11 +24,39 @@ def param_groups(model: nn.Module, weight_decay: float, no_decay: list[str]) -> 
         else:
             decay.append(p)
     groups = []
-    if decay:
-        groups.append({"params": decay, "weight_decay": weight_decay})
-    if skip:
-        groups.append({"params": skip, "weight_decay": 0.0})
+    for params, wd in ((decay, weight_decay), (skip, 0.0)):
+        for same_layout in by_layout(params).values():
+            groups.append({"params": same_layout, "weight_decay": wd})
     return groups
+
+
+def by_layout(tensors) -> dict:
+    """Tensors grouped by device mesh (``None`` for plain tensors), in first-seen order.
+
+    Fused/foreach kernels refuse a mix of plain tensors and DTensors; tensor parallelism without
+    FSDP leaves the parameters outside the blocks (embeddings, norms, head) plain.
+    """
+    out: dict = {}
+    for t in tensors:
+        out.setdefault(t.device_mesh if isinstance(t, DTensor) else None, []).append(t)
+    return out
+
+
+@torch.no_grad()
+def clip_grad_norm_(params, max_norm: float, norm_type: float = 2.0, foreach: bool = True) -> torch.Tensor:
+    """Total gradient norm over every layout group, reduced over the meshes; clips when
+    ``max_norm > 0``. Returns a plain tensor."""
+    params = [p for p in params if p.grad is not None]
+    groups = by_layout(params)
+    norms = []
+    for group in groups.values():
+        n = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type, foreach=foreach)
+        norms.append(n.full_tensor() if isinstance(n, DTensor) else n)
+    total = norms[0] if len(norms) == 1 else torch.nn.utils.get_total_norm(norms, norm_type)
+    if max_norm > 0:
+        for group in groups.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach)
+    return total
 
 
 class GroupedOptimizersContainer(OptimizersContainer):

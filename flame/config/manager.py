@@ -99,8 +99,10 @@ class FlameConfigManager(ConfigManager):
         self.valid = flat_fields(merged)
 
     # -- CLI ---------------------------------------------------------------------------
-    def _check_cli(self, args: list[str]) -> None:
+    def _check_cli(self, args: list[str]) -> set[str]:
+        """Validate the CLI; return the option names it sets (``section.key``)."""
         keys = sorted(self.valid)
+        given = set()
         i = 0
         while i < len(args):
             arg = args[i]
@@ -117,6 +119,7 @@ class FlameConfigManager(ConfigManager):
                 key = ".".join(parts[:-1] + [parts[-1][3:]])
             if key not in self.valid:
                 raise ConfigError(f"unknown option '--{arg[2:].partition('=')[0]}'{_closest(key, keys)}")
+            given.add(key)
             tp = self.valid[key]
             if _is_bool(tp) and not eq:
                 continue  # a flag
@@ -127,6 +130,7 @@ class FlameConfigManager(ConfigManager):
                 i += 1
             if not _is_bool(tp):
                 _check_value(key, tp, value)
+        return given
 
     # -- TOML --------------------------------------------------------------------------
     def _maybe_load_toml(self, args):
@@ -175,41 +179,53 @@ class FlameConfigManager(ConfigManager):
 
     def parse_args(self, args: list[str] | None = None):
         args = list(sys.argv[1:] if args is None else args)
-        self._check_cli(args)
+        given = self._check_cli(args)
         config = super().parse_args(args)
-        resolve_aliases(config)
+        resolve_aliases(config, given)
         validate(config)
         return config
 
 
-def resolve_aliases(cfg) -> None:
-    """Fold flame's spellings into the torchtitan fields the library code reads."""
+# flame spelling -> the torchtitan field it stands for
+_ALIASES = {
+    "training.batch_size": "training.local_batch_size",
+    "lr_scheduler.lr_min": "lr_scheduler.min_lr_factor",
+    "training.compile": "compile.enable",
+    "training.seed": "debug.seed",
+    "training.deterministic": "debug.deterministic",
+    "training.data_parallel_replicate_degree": "parallelism.data_parallel_replicate_degree",
+    "training.data_parallel_shard_degree": "parallelism.data_parallel_shard_degree",
+    "training.tensor_parallel_degree": "parallelism.tensor_parallel_degree",
+    "checkpoint.enable_checkpoint": "checkpoint.enable",
+    "checkpoint.last_save_model_weights_only": "checkpoint.last_save_model_only",
+    "validation.interval": "validation.freq",
+    "job.print_args": "job.print_config",
+}
+# boolean aliases only switch their field on
+_FLAG_ALIASES = {"training.compile", "training.deterministic", "checkpoint.enable_checkpoint",
+                 "checkpoint.last_save_model_weights_only", "job.print_args"}
+
+
+def resolve_aliases(cfg, cli_keys: set[str] = frozenset()) -> None:
+    """Fold flame's spellings into the torchtitan fields the library code reads.
+
+    An alias is applied unless the field it stands for was given on the command line and the
+    alias was not: ``--parallelism.tensor_parallel_degree 2`` beats the TOML's
+    ``training.tensor_parallel_degree = 1`` (the command line wins over the file).
+    """
+    for alias, target in _ALIASES.items():
+        if target in cli_keys and alias not in cli_keys:
+            continue
+        a_sec, a_key = alias.split(".")
+        t_sec, t_key = target.split(".")
+        value = getattr(getattr(cfg, a_sec), a_key)
+        if value is None or (alias in _FLAG_ALIASES and not value):
+            continue
+        setattr(getattr(cfg, t_sec), t_key, value)
+    # aliases mirror the resolved values (job_config.json shows both spellings agreeing)
     t = cfg.training
-    if cfg.job.print_args:
-        cfg.job.print_config = True
-    if t.batch_size is not None:
-        t.local_batch_size = t.batch_size
     t.batch_size = t.local_batch_size
-    if cfg.lr_scheduler.lr_min is not None:
-        cfg.lr_scheduler.min_lr_factor = cfg.lr_scheduler.lr_min
     cfg.lr_scheduler.lr_min = cfg.lr_scheduler.min_lr_factor
-    if t.compile:
-        cfg.compile.enable = True
-    if t.seed is not None:
-        cfg.debug.seed = t.seed
-    if t.deterministic:
-        cfg.debug.deterministic = True
-    for name in ("data_parallel_replicate_degree", "data_parallel_shard_degree", "tensor_parallel_degree"):
-        value = getattr(t, name)
-        if value is not None:
-            setattr(cfg.parallelism, name, value)
-    ck = cfg.checkpoint
-    if ck.enable_checkpoint:
-        ck.enable = True
-    if ck.last_save_model_weights_only:
-        ck.last_save_model_only = True
-    if cfg.validation.interval is not None:
-        cfg.validation.freq = cfg.validation.interval
     dl = t.dataloader
     dl.num_workers, dl.pin_memory, dl.persistent_workers = t.num_workers, t.pin_memory, t.persistent_workers
     dl.prefetch_factor = t.prefetch_factor if t.num_workers > 0 else None

@@ -28,12 +28,44 @@ _OP_SAC_SAVE = {
 # Linear names of the transformer family (HF llama/qwen, flame's transformer) for TP.
 _COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 _ROWWISE = ("o_proj", "down_proj")
+# Families whose blocks are exactly those linears and whose attention reshapes by the local head
+# count (HF: ``view(*shape, -1, head_dim)``; flame's transformer: ``num_heads`` divided below).
+# FLA's linear-attention layers have extra projections (gates, convolutions) TP would not shard.
+TP_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "transformer")
+_HEAD_ATTRS = ("num_heads", "num_kv_heads", "num_key_value_heads", "num_attention_heads")
+
+
+def check_tp(model: nn.Module, tp: int) -> None:
+    """One-line ConfigError when the model cannot be split into ``tp`` tensor-parallel ranks."""
+    opt = f"parallelism.tensor_parallel_degree {tp}"
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", type(model).__name__)
+    if model_type not in TP_MODEL_TYPES:
+        raise ConfigError(f"{opt}: model type {model_type!r} does not support tensor parallelism "
+                          f"(supported: {', '.join(TP_MODEL_TYPES)})")
+    for attr in _HEAD_ATTRS:
+        heads = getattr(config, attr, None)
+        if isinstance(heads, int) and heads % tp:
+            raise ConfigError(f"{opt}: model {attr} {heads} is not divisible by it")
+    _, _, blocks = find_block_list(model)
+    for name, sub in blocks[0].named_modules():
+        if name.endswith(("attn", "self_attn", "attention")):
+            own = [n for n, _ in sub.named_parameters(recurse=False)]
+            if own:
+                raise ConfigError(f"{opt}: attention {type(sub).__name__} has per-head parameters "
+                                  f"({', '.join(own)}) that tensor parallelism does not shard")
 
 
 def apply_tp(model: nn.Module, tp_mesh) -> None:
-    """Megatron-style TP inside each block: column-wise q/k/v/gate/up, row-wise o/down."""
+    """Megatron-style TP inside each block: column-wise q/k/v/gate/up, row-wise o/down.
+
+    Parameters outside those linears (embeddings, norms, head) stay plain replicated tensors;
+    their gradients are identical on every TP rank (the row-wise outputs are all-reduced).
+    """
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+    tp = tp_mesh.size()
+    check_tp(model, tp)
     _, _, blocks = find_block_list(model)
     for i, block in enumerate(blocks):
         plan = {}
@@ -45,16 +77,16 @@ def apply_tp(model: nn.Module, tp_mesh) -> None:
                 plan[name] = RowwiseParallel()
         if not plan:
             raise ConfigError(
-                f"training.tensor_parallel_degree {tp_mesh.size()}: block {i} of "
+                f"parallelism.tensor_parallel_degree {tp}: block {i} of "
                 f"{type(model).__name__} has none of the linears TP knows ({', '.join(_COLWISE + _ROWWISE)})"
             )
         for name, sub in block.named_modules():
             # attention reshapes with the local head count under TP
-            for attr in ("num_heads", "num_kv_heads", "num_key_value_heads", "num_attention_heads"):
+            for attr in _HEAD_ATTRS:
                 if isinstance(getattr(sub, attr, None), int) and name.endswith(("attn", "self_attn", "attention")):
-                    setattr(sub, attr, getattr(sub, attr) // tp_mesh.size())
+                    setattr(sub, attr, getattr(sub, attr) // tp)
         parallelize_module(block, tp_mesh, plan)
-    logger.info(f"Applied tensor parallelism (degree {tp_mesh.size()}) to {len(blocks)} blocks")
+    logger.info(f"Applied tensor parallelism (degree {tp}) to {len(blocks)} blocks")
 
 
 def apply_ac(model: nn.Module, ac_config) -> None:

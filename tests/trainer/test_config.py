@@ -99,3 +99,17 @@ def test_bad_toml(tmp_path):
         FlameConfigManager().parse_args(["--job.config_file", str(broken), "--model.config", CONFIG])
     with pytest.raises(ConfigError, match="no such file"):
         FlameConfigManager().parse_args(["--job.config_file", str(tmp_path / "missing.toml")])
+
+
+def test_cli_canonical_key_beats_toml_alias():
+    # fla.toml sets training.tensor_parallel_degree = 1, training.data_parallel_shard_degree = -1,
+    # checkpoint.enable_checkpoint = true and lr_scheduler.lr_min = 0.1 (flame's spellings)
+    cfg = parse("--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1",
+                "--checkpoint.no-enable", "--lr_scheduler.min_lr_factor", "0.0", "--training.local_batch_size", "3")
+    p = cfg.parallelism
+    assert (p.tensor_parallel_degree, p.data_parallel_shard_degree) == (2, 1)
+    assert cfg.checkpoint.enable is False
+    assert cfg.lr_scheduler.min_lr_factor == 0.0 and cfg.lr_scheduler.lr_min == 0.0
+    assert cfg.training.local_batch_size == 3 and cfg.training.batch_size == 3
+    # the alias on the command line still works, and wins over the TOML
+    assert parse("--training.tensor_parallel_degree", "2").parallelism.tensor_parallel_degree == 2

@@ -1,7 +1,9 @@
-"""Run under torchrun (gloo, 2 ranks): gradients of FSDP2 / DDP equal a single-process reference.
+"""Run under torchrun (gloo): gradients of a parallel model equal a single-process reference.
 
-Each rank feeds its own half of a global batch with the trainer's loss normalization; the
-full gradients gathered from the parallel model must equal those of one process on the whole batch.
+Modes: ``fsdp`` / ``ddp`` / ``tp`` (2 ranks; TP = 2 with no data parallelism) and ``hsdp``
+(4 ranks: dp_replicate 2 x dp_shard 2). Each data-parallel rank feeds its own share of a global
+batch with the trainer's loss normalization (TP ranks all feed the whole batch); the full
+gradients gathered from the parallel model must equal those of one process on the whole batch.
 """
 
 import sys
@@ -19,8 +21,11 @@ from flame.train import Trainer, _parallel_dims, all_sum
 
 mode, config = sys.argv[1], sys.argv[2]
 args = ["--model.config", config, "--training.mixed_precision_param", "float32", "--offload.enable", "off"]
-if mode == "ddp":
-    args += ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]
+degrees = {  # replicate, shard, tp
+    "fsdp": (1, 2, 1), "ddp": (2, 1, 1), "tp": (1, 1, 2), "hsdp": (2, 2, 1),
+}[mode]
+for key, value in zip(("data_parallel_replicate_degree", "data_parallel_shard_degree", "tensor_parallel_degree"), degrees):
+    args += [f"--parallelism.{key}", str(value)]
 cfg = FlameConfigManager().parse_args(args)
 device = local_device()
 world = init_process_group(cfg.comm, "/tmp")
@@ -55,7 +60,11 @@ labels[3, 2:] = IGNORE_INDEX
 loss = cross_entropy_sum(ref(input_ids=ids).logits, labels) / (labels != IGNORE_INDEX).sum()
 loss.backward()
 
-mine = slice(2 * rank, 2 * rank + 2)
+batch_mesh = pd.get_optional_mesh("batch")
+dp, dp_rank = (batch_mesh.size(), batch_mesh.get_local_rank()) if batch_mesh is not None else (1, 0)
+assert dp == {"tp": 1, "hsdp": 4}.get(mode, 2), dp
+per = ids.shape[0] // dp
+mine = slice(per * dp_rank, per * dp_rank + per)
 local_tokens = (labels[mine] != IGNORE_INDEX).sum().float()
 global_tokens = all_sum(local_tokens, pd.get_optional_mesh("batch"))
 scale = pd.dp_replicate if (pd.dp_replicate_enabled and not pd.fsdp_enabled) else 1
@@ -66,6 +75,8 @@ for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
     grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
     err = ((grad - q.grad).norm() / q.grad.norm().clamp(min=1e-12)).item()
     worst = max(worst, err)
+    if mode == "tp" and ("q_proj" in name or "down_proj" in name):
+        assert isinstance(p, DTensor), f"{name} is not tensor-parallel"
 print(f"rank {rank} {mode} worst relative grad error {worst:.2e}", flush=True)
 assert worst < 1e-5, worst
 dist.destroy_process_group()
