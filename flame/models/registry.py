@@ -14,7 +14,7 @@ from flame.errors import ConfigError
 @dataclass(frozen=True)
 class Family:
     """kind: 'softmax' (all layers attention), 'linear' (linear attention / SSM), 'hybrid'.
-    cpu: whether the family runs on CPU (FLA families through flame.models.fla_cpu)."""
+    cpu: whether the family runs on CPU (FLA families through flame.models.cpu)."""
     kind: str
     cpu: bool
     source: str  # 'fla', 'hf', 'flame' or 'custom'

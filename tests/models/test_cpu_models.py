@@ -70,7 +70,7 @@ def test_cached_decoding_matches_full_forward(cpu_fallbacks, batch, family):
 def test_enable_is_idempotent_and_dispatches_by_device(cpu_fallbacks):
     import fla.layers.gla as gla_layer
     from flame.models.cpu.patch import MARK, make_dispatcher
-    from flame.models.fla_cpu import enable_cpu_fallbacks
+    from flame.models.cpu import enable_cpu_fallbacks
     before = gla_layer.chunk_gla
     assert enable_cpu_fallbacks() == {}
     assert gla_layer.chunk_gla is before
