@@ -264,6 +264,9 @@ def validate(cfg) -> None:
         raise ConfigError(f"optimizer.name {cfg.optimizer.name!r}: supported are AdamW, Adam")
     if cfg.checkpoint.keep_latest_k < 0:
         raise ConfigError(f"checkpoint.keep_latest_k {cfg.checkpoint.keep_latest_k}: must be >= 0")
+    if cfg.checkpoint.keep_latest_k == 1 and cfg.checkpoint.async_mode != "disabled":
+        raise ConfigError(f"checkpoint.keep_latest_k 1 with checkpoint.async_mode {cfg.checkpoint.async_mode!r}: "
+                          "an async save may still be writing the newest checkpoint; keep at least 2")
     if cfg.checkpoint.enable and cfg.checkpoint.interval < 1:
         raise ConfigError(f"checkpoint.interval {cfg.checkpoint.interval}: must be >= 1")
     if cfg.metrics.log_freq < 1:

@@ -80,6 +80,7 @@ def test_defaults_keep_final_checkpoint_resumable():
         (["--training.varlen", "--training.context_len", "9000", "--training.seq_len", "4096"], "training.context_len 9000"),
         (["--model.config", "/nonexistent.json"], "/nonexistent.json"),
         (["--lr_scheduler.lr_min", "2"], "lr_scheduler.lr_min 2"),
+        (["--checkpoint.keep_latest_k", "1", "--checkpoint.async_mode", "async"], "keep at least 2"),
     ],
 )
 def test_bad_cli(args, fragment):
