@@ -1,0 +1,35 @@
+"""TensorBoard and W&B (offline) from one CPU run: files under the dump folder, a full console line."""
+
+import glob
+import os
+import re
+
+import pytest
+
+from tests.trainer.helpers import losses, run_job
+
+
+def test_tensorboard_and_wandb_offline_write_under_the_dump_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    dump = str(tmp_path / "run")
+    proc = run_job(1, dump, "--training.steps", "3", "--checkpoint.no-enable",
+                   "--metrics.enable_tensorboard", "--metrics.enable_wandb")
+
+    events = glob.glob(os.path.join(dump, "tb", "*", "events.out.tfevents.*"))
+    assert len(events) == 1, os.listdir(dump)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(events[0])
+    acc.Reload()
+    logged = [(e.step, e.value) for e in acc.Scalars("train/loss")]
+    assert [s for s, _ in logged] == [1, 2, 3]
+    assert [v for _, v in logged] == pytest.approx(losses(dump), rel=1e-6)
+
+    runs = glob.glob(os.path.join(dump, "**", "offline-run-*", "run-*.wandb"), recursive=True)
+    assert len(runs) == 1 and os.path.getsize(runs[0]) > 0, runs
+
+    out = proc.stdout + proc.stderr
+    line = [l for l in out.splitlines() if re.search(r"step\s+3/3", l)]
+    assert line, out[-3000:]
+    assert re.search(r"loss\s+\d+\.\d+.*lr [\d.e+-]+.*tok/s [\d,]+.*eta \d+:\d\d:\d\d", line[0]), line[0]
