@@ -364,11 +364,13 @@ class Trainer(Stateful):
     def export_hf(self) -> None:
         if not self.cfg.checkpoint.export_hf:
             return
-        from flame.components.export import export_trained_model
+        from flame.components.export import export_trained_model, maybe_upload
 
-        export_trained_model(self)
+        self.hf_upload = maybe_upload(self, export_trained_model(self))
 
     def close(self) -> None:
+        if getattr(self, "hf_upload", None) is not None:
+            self.hf_upload.wait(self.cfg.checkpoint.hf_upload_timeout_seconds)
         if getattr(self, "checkpointer", None) is not None:
             self.checkpointer.close()
         if getattr(self, "metrics", None) is not None:

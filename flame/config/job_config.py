@@ -154,10 +154,16 @@ class Checkpoint:
     """Also export a Hugging Face folder at every checkpoint."""
 
     hf_upload_enabled: bool = False
-    """Upload the exported folder to the Hugging Face Hub (off the training path)."""
+    """Upload the final Hugging Face export (``DUMP/hf``) to the Hub in a background thread (off
+    the training path); a failed upload is a warning, never an error."""
 
     hf_repo_base_name: str | None = None
-    """Hub repository name for ``hf_upload_enabled``."""
+    """Hub model repository (``name`` or ``org/name``) the final export is uploaded to with
+    ``hf_upload_enabled``; created private when it does not exist. Needs a token (``HF_TOKEN``
+    or ``huggingface-cli login``)."""
+
+    hf_upload_timeout_seconds: float = 600.0
+    """How long the trainer waits at exit for the background upload to finish."""
 
 
 @dataclass

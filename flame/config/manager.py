@@ -264,6 +264,12 @@ def validate(cfg) -> None:
         raise ConfigError(f"optimizer.name {cfg.optimizer.name!r}: supported are AdamW, Adam")
     if cfg.checkpoint.keep_latest_k < 0:
         raise ConfigError(f"checkpoint.keep_latest_k {cfg.checkpoint.keep_latest_k}: must be >= 0")
+    if cfg.checkpoint.hf_upload_enabled and not cfg.checkpoint.hf_repo_base_name:
+        raise ConfigError("checkpoint.hf_upload_enabled needs checkpoint.hf_repo_base_name (the Hub repository to upload to)")
+    if cfg.checkpoint.hf_upload_enabled and not cfg.checkpoint.export_hf:
+        raise ConfigError("checkpoint.hf_upload_enabled uploads the final export: it needs checkpoint.export_hf")
+    if cfg.checkpoint.hf_upload_timeout_seconds < 0:
+        raise ConfigError(f"checkpoint.hf_upload_timeout_seconds {cfg.checkpoint.hf_upload_timeout_seconds}: must be >= 0")
     if cfg.checkpoint.keep_latest_k == 1 and cfg.checkpoint.async_mode != "disabled":
         raise ConfigError(f"checkpoint.keep_latest_k 1 with checkpoint.async_mode {cfg.checkpoint.async_mode!r}: "
                           "an async save may still be writing the newest checkpoint; keep at least 2")

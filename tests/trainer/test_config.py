@@ -81,6 +81,9 @@ def test_defaults_keep_final_checkpoint_resumable():
         (["--model.config", "/nonexistent.json"], "/nonexistent.json"),
         (["--lr_scheduler.lr_min", "2"], "lr_scheduler.lr_min 2"),
         (["--checkpoint.keep_latest_k", "1", "--checkpoint.async_mode", "async"], "keep at least 2"),
+        (["--checkpoint.hf_upload_enabled"], "needs checkpoint.hf_repo_base_name"),
+        (["--checkpoint.hf_upload_enabled", "--checkpoint.hf_repo_base_name", "x", "--checkpoint.no-export-hf"],
+         "needs checkpoint.export_hf"),
     ],
 )
 def test_bad_cli(args, fragment):
