@@ -347,6 +347,10 @@ class Trainer(Stateful):
                 gc_handler.run(self.step)
                 self.train_step(data_iter)
                 self.checkpointer.save(self.step, last_step=self.step == cfg.training.steps)
+                if self._export_with_checkpoint():
+                    from flame.components.export import export_trained_model
+
+                    export_trained_model(self, os.path.join(cfg.job.dump_folder, "hf_steps", f"step-{self.step}"))
                 if self.val_loader is not None and self.step % cfg.validation.freq == 0:
                     self.validate()
                 if cfg.probes.interval > 0 and self.step % cfg.probes.interval == 0:
@@ -360,6 +364,12 @@ class Trainer(Stateful):
 
         gc.enable()  # GarbageCollection disabled it for the loop only
         self.export_hf()
+
+    def _export_with_checkpoint(self) -> bool:
+        """``checkpoint.export_hf_every_checkpoint``: an HF folder next to every interval checkpoint."""
+        ck = self.cfg.checkpoint
+        return (ck.enable and ck.export_hf_every_checkpoint and self.step % ck.interval == 0
+                and self.step != self.cfg.training.steps)  # the final export goes to DUMP/hf
 
     def export_hf(self) -> None:
         if not self.cfg.checkpoint.export_hf:

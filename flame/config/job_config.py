@@ -151,7 +151,8 @@ class Checkpoint:
     """Write a Hugging Face folder (safetensors + config + tokenizer) of the final weights."""
 
     export_hf_every_checkpoint: bool = False
-    """Also export a Hugging Face folder at every checkpoint."""
+    """Also export a Hugging Face folder ``DUMP/hf_steps/step-N`` at every interval checkpoint (this blocks
+    training while the weights are gathered and written)."""
 
     hf_upload_enabled: bool = False
     """Upload the final Hugging Face export (``DUMP/hf``) to the Hub in a background thread (off

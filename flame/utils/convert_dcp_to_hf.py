@@ -3,7 +3,7 @@
     python -m flame.utils.convert_dcp_to_hf --path DUMP --step N [--config CFG] [--tokenizer TOK]
         [--dtype bfloat16] [--out DIR] [--max-shard-size 5GB] [--overwrite]
 
-Reads ``DUMP/checkpoint/step-N`` (model keys only) and writes ``DIR`` (default ``DUMP/hf/step-N``).
+Reads ``DUMP/checkpoint/step-N`` (model keys only) and writes ``DIR`` (default ``DUMP/hf_steps/step-N``).
 ``--config`` / ``--tokenizer`` default to ``model.config`` / ``model.tokenizer_path`` of the
 ``DUMP/job_config.json`` the trainer writes. Bad input: one line on stderr, exit status 2.
 """
@@ -23,7 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument('--config', help='model config (JSON or HF folder); default: from DUMP/job_config.json')
     p.add_argument('--tokenizer', help='tokenizer path/name; default: from DUMP/job_config.json')
     p.add_argument('--dtype', default='bfloat16', help='weights dtype: bfloat16 (default), float32, float16')
-    p.add_argument('--out', help='output folder (default DUMP/hf/step-N)')
+    p.add_argument('--out', help='output folder (default DUMP/hf_steps/step-N)')
     p.add_argument('--max-shard-size', default='5GB', help="split weights above this size (default 5GB)")
     p.add_argument('--overwrite', action='store_true', help='replace an existing output folder')
     return p
@@ -41,7 +41,7 @@ def run(args) -> str:
         raise ConfigError(f"no model config: {os.path.join(dump, 'job_config.json')!r} is absent or has no "
                           f"model.config; pass --config")
     tokenizer = args.tokenizer or saved.get('tokenizer')
-    out = args.out or os.path.join(dump, 'hf', f'step-{args.step}')
+    out = args.out or os.path.join(dump, 'hf_steps', f'step-{args.step}')
     return export_hf(ckpt, config, tokenizer, out, dtype=args.dtype, max_shard_size=args.max_shard_size,
                      overwrite=args.overwrite)
 

@@ -68,7 +68,7 @@ def test_dcp_to_hf_reads_only_model_keys_and_generates(training_dump, monkeypatc
     meta = hx._dcp_metadata(os.path.join(dump, 'checkpoint', 'step-5'))
     assert any(k.startswith('optimizer.') for k in meta)  # the checkpoint has optimizer state ...
     assert sorted(requested) == sorted(model.state_dict())  # ... which was never read
-    out = os.path.join(dump, 'hf', 'step-5')
+    out = os.path.join(dump, 'hf_steps', 'step-5')
     reloaded = AutoModelForCausalLM.from_pretrained(out)
     _same_weights(model, reloaded)
     assert os.path.isfile(os.path.join(out, 'tokenizer.json'))

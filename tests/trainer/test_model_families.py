@@ -46,3 +46,11 @@ def test_per_block_compile_and_activation_checkpointing(tmp_path):
             "--training.batch_size", "2", "--training.seq_len", "32", "--checkpoint.no-enable-checkpoint",
             config=os.path.join(ROOT, "configs/debug/transformer_tiny.json"))
     assert len(losses(dump)) == 3
+
+
+def test_export_at_every_checkpoint(tmp_path):
+    dump = str(tmp_path / "every")
+    run_job(1, dump, "--training.steps", "4", "--checkpoint.interval", "2", "--checkpoint.export_hf_every_checkpoint",
+            "--checkpoint.export-hf")
+    assert os.path.isfile(os.path.join(dump, "hf_steps", "step-2", "config.json"))
+    assert os.path.isfile(os.path.join(dump, "hf", "config.json"))  # the final export
