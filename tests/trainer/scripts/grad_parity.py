@@ -6,6 +6,7 @@ batch with the trainer's loss normalization (TP ranks all feed the whole batch);
 gradients gathered from the parallel model must equal those of one process on the whole batch.
 """
 
+import os
 import sys
 
 import torch
@@ -79,4 +80,9 @@ for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
         assert isinstance(p, DTensor), f"{name} is not tensor-parallel"
 print(f"rank {rank} {mode} worst relative grad error {worst:.2e}", flush=True)
 assert worst < 1e-5, worst
+dist.barrier()
 dist.destroy_process_group()
+# The check is done. Interpreter teardown with torch's composable DDP on gloo sometimes aborts in a
+# C++ destructor ("terminate called without an active exception", ~1 in 8 runs); skip it.
+sys.stdout.flush()
+os._exit(0)
