@@ -6,15 +6,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from flame_data_testlib import REPO, TOKENIZER, text_docs, tokenizer, write_jsonl
+from flame_data_testlib import REPO, TOKENIZER, text_docs, write_jsonl
 
 from flame.data import SourceLossMeter, build_dataloader, build_tokenizer, options_for_test
 from flame.errors import ConfigError
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return tokenizer()
 
 
 def job(dataset, **training):

@@ -1,6 +1,5 @@
 """Ranks and workers read disjoint documents that together cover each epoch exactly once."""
 
-import pytest
 from flame_data_testlib import (
     assert_no_overlap,
     build,
@@ -9,14 +8,8 @@ from flame_data_testlib import (
     coverage,
     take,
     text_docs,
-    tokenizer,
     write_jsonl,
 )
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return tokenizer()
 
 
 def test_two_ranks_two_workers_cover_epoch_once(tmp_path, tok):

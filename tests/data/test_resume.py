@@ -23,11 +23,6 @@ from flame.data import state as gstate
 from flame.data.loader import STATE_KEY
 
 
-@pytest.fixture(scope="module")
-def tok():
-    return tokenizer()
-
-
 def global_state(loaders):
     return gstate.merge([json.loads(L.state_dict()[STATE_KEY]) for L in loaders])
 

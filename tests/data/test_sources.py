@@ -4,7 +4,6 @@ import json
 
 import numpy as np
 import pandas as pd
-import pytest
 from flame_data_testlib import (
     assert_no_overlap,
     build,
@@ -15,7 +14,6 @@ from flame_data_testlib import (
     take,
     text_docs,
     token_docs,
-    tokenizer,
     write_jsonl,
     write_token_folder,
 )
@@ -23,11 +21,6 @@ from flame_data_testlib import (
 from flame.data import state as gstate
 from flame.data.loader import STATE_KEY
 from flame.utils.preprocess import main as preprocess_main
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return tokenizer()
 
 
 def test_formats_and_column_detection(tmp_path, tok):
