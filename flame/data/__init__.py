@@ -6,8 +6,6 @@ Public API used by the trainer: :func:`build_tokenizer`, :func:`build_dataloader
 
 from __future__ import annotations
 
-from typing import Any
-
 from flame.data.builder import build_dataloader, build_dataloader_from_options
 from flame.data.options import DataOptions, options_for_test, options_from_job_config
 from flame.data.tokenizer import build_tokenizer, load_tokenizer

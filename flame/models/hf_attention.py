@@ -6,7 +6,6 @@ cross document boundaries. flame registers an attention function with transforme
 (passed by the trainer as a model kwarg, which HF hands down to every attention call).
 """
 
-import torch
 from transformers import AttentionInterface
 
 from flame.models.attention.dispatch import attention
