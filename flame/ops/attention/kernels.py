@@ -19,8 +19,13 @@ Backward (D_i = sum_d dO_id O_id, dp_ij = dO_i . v_j):
 * softmax / rectified: ds_ij = w_ij (dp_ij - D_i)
 * softpick:            ds_ij = g_ij ([s_ij > 0] dp_ij - sign(s_ij) D_i)
 
+D_i comes from ``bwd_delta_kernel`` (one fused pass over O and dO). The backward tiles take the
+raw product q . k and fold the scale into one multiply-add with -lse2; sign tests use the raw
+product (scale > 0, RAW_SIGN) and masked entries become -inf before the exp2.
+
 Grids are (blocks of the longest document, heads, documents); programs past the end of their
-document exit at once. Masked (diagonal) and unmasked tiles run in separate loops.
+document exit at once, and the most loaded blocks are launched first. Masked (diagonal) and
+unmasked tiles run in separate loops.
 """
 from __future__ import annotations
 
@@ -99,7 +104,8 @@ def attn_fwd_kernel(
     MODE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr,
 ):
-    blk = tl.program_id(0)
+    # query blocks in reverse launch order: the last ones see the most keys, so they start first
+    blk = tl.num_programs(0) - 1 - tl.program_id(0)
     h = tl.program_id(1)
     bos, seqlen = _doc_bounds(CU, tl.program_id(2), T, IS_VARLEN)
     if blk * BM >= seqlen:
@@ -142,36 +148,55 @@ def attn_fwd_kernel(
 
 
 @triton.jit
-def _weights_and_grad(s, dp, lse, delta, valid, MODE: tl.constexpr, MASKED: tl.constexpr, ROW_AXIS: tl.constexpr):
+def bwd_delta_kernel(O, DO, DELTA, N, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr):
+    """DELTA[r] = sum_d O[r, d] * DO[r, d] in float32 for the N = tokens * heads rows of O and DO."""
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    offs_d = tl.arange(0, BD)
+    mask_r = rows < N
+    mask = mask_r[:, None] & (offs_d[None, :] < D)
+    off = rows[:, None].to(tl.int64) * D + offs_d[None, :]
+    o = tl.load(O + off, mask=mask, other=0.0).to(tl.float32)
+    do = tl.load(DO + off, mask=mask, other=0.0).to(tl.float32)
+    tl.store(DELTA + rows, tl.sum(o * do, 1), mask=mask_r)
+
+
+@triton.jit
+def _weights_and_grad(
+    s, dp, lse, c, delta, scale_log2, valid,
+    MODE: tl.constexpr, MASKED: tl.constexpr, NEED_W: tl.constexpr, RAW_SIGN: tl.constexpr,
+):
     """Attention weights w and logit gradient ds (w.r.t. base-e logits) for a tile.
 
-    ``lse``/``delta`` are per query; ROW_AXIS says whether queries run along axis 0 (dq tile)
-    or axis 1 (transposed dk/dv tile).
+    ``s`` is the raw product q . k (not yet scaled); ``lse``, ``c`` (= 2^-lse, softpick only)
+    and ``delta`` are per query, already broadcast along the query axis of the tile. With
+    RAW_SIGN (scale > 0) the sign tests use ``s`` itself, so ``s * scale_log2 - lse`` stays a
+    single fused multiply-add. Masked entries get ``-inf`` before the exp2: then g = 0 gives
+    w = ds = 0 with no further select. Per element, softmax costs fma + exp2 + sub + mul;
+    softpick adds two compares and two selects (and sub + max when w is needed).
     """
-    if ROW_AXIS == 0:
-        lse_b = lse[:, None]
-        delta_b = delta[:, None]
+    if RAW_SIGN:
+        t = s
     else:
-        lse_b = lse[None, :]
-        delta_b = delta[None, :]
-    if MODE == 1:
-        g = tl.exp2(s - lse_b)
-        w = tl.maximum(g - tl.exp2(-lse_b), 0.0)
-        sgn = tl.where(s > 0, 1.0, tl.where(s < 0, -1.0, 0.0))
-        ds = g * (tl.where(s > 0, dp, 0.0) - sgn * delta_b)
+        t = s * scale_log2
+    x = s * scale_log2 - lse
+    if MODE == 2:
+        keep = t >= 0
         if MASKED:
-            w = tl.where(valid, w, 0.0)
-            ds = tl.where(valid, ds, 0.0)
+            keep = keep & valid
+        x = tl.where(keep, x, float("-inf"))
+    elif MASKED:
+        x = tl.where(valid, x, float("-inf"))
+    g = tl.exp2(x)
+    if MODE == 1:
+        # ds = g ([s > 0] dp - sign(s) D);  w = relu(g - 2^-lse) (> 0 exactly when s > 0)
+        ds = g * tl.where(t > 0, dp - delta, tl.where(t < 0, delta, 0.0))
+        if NEED_W:
+            w = tl.maximum(g - c, 0.0)
+        else:
+            w = g
     else:
-        w = tl.exp2(s - lse_b)
-        if MODE == 2:
-            keep = s >= 0
-            if MASKED:
-                keep = keep & valid
-            w = tl.where(keep, w, 0.0)
-        elif MASKED:
-            w = tl.where(valid, w, 0.0)
-        ds = w * (dp - delta_b)
+        ds = g * (dp - delta)
+        w = g
     return w, ds
 
 
@@ -179,7 +204,7 @@ def _weights_and_grad(s, dp, lse, delta, valid, MODE: tl.constexpr, MASKED: tl.c
 def _dkdv_tiles(
     dk, dv, k, v, q_base, do_base, lse_base, delta_base, offs_n, lo, hi, seqlen, scale_log2,
     Q_STRIDE, HQ, D: tl.constexpr, BD: tl.constexpr,
-    MODE: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr, BM: tl.constexpr,
+    MODE: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr, RAW_SIGN: tl.constexpr, BM: tl.constexpr,
 ):
     offs_d = tl.arange(0, BD)
     mask_d = offs_d < D
@@ -191,10 +216,15 @@ def _dkdv_tiles(
         do = tl.load(do_base + q_off, mask=mask_m[:, None] & mask_d[None, :], other=0.0)
         lse = tl.load(lse_base + qm * HQ, mask=mask_m, other=float("inf"))
         delta = tl.load(delta_base + qm * HQ, mask=mask_m, other=0.0)
-        sT = tl.dot(k, tl.trans(q), input_precision=PREC) * scale_log2       # [BN, BM]
+        if MODE == 1:
+            c = tl.exp2(-lse)
+        else:
+            c = lse
+        sT = tl.dot(k, tl.trans(q), input_precision=PREC)       # [BN, BM], raw logits
         dpT = tl.dot(v, tl.trans(do), input_precision=PREC)
         valid = qm[None, :] >= offs_n[:, None]
-        wT, dsT = _weights_and_grad(sT, dpT, lse, delta, valid, MODE, MASKED, 1)
+        wT, dsT = _weights_and_grad(sT, dpT, lse[None, :], c[None, :], delta[None, :], scale_log2, valid,
+                                    MODE, MASKED, True, RAW_SIGN)
         dv += tl.dot(wT.to(do.dtype), do, input_precision=PREC)
         dk += tl.dot(dsT.to(q.dtype), q, input_precision=PREC)
     return dk, dv
@@ -204,9 +234,10 @@ def _dkdv_tiles(
 def attn_bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, CU, scale_log2, scale, T,
     HQ, HK, D: tl.constexpr, BD: tl.constexpr,
-    MODE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
+    MODE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr, RAW_SIGN: tl.constexpr,
     BN: tl.constexpr, BM: tl.constexpr,
 ):
+    # key blocks in launch order: the first ones see the most queries, so they start first
     blk = tl.program_id(0)
     hk = tl.program_id(1)
     bos, seqlen = _doc_bounds(CU, tl.program_id(2), T, IS_VARLEN)
@@ -229,9 +260,9 @@ def attn_bwd_dkdv_kernel(
         lse_base = LSE + bos * HQ + h
         delta_base = DELTA + bos * HQ + h
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, offs_n, diag, diag_hi,
-                             seqlen, scale_log2, HQ * D, HQ, D, BD, MODE, True, PREC, BM)
+                             seqlen, scale_log2, HQ * D, HQ, D, BD, MODE, True, PREC, RAW_SIGN, BM)
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, offs_n, diag_hi, seqlen,
-                             seqlen, scale_log2, HQ * D, HQ, D, BD, MODE, False, PREC, BM)
+                             seqlen, scale_log2, HQ * D, HQ, D, BD, MODE, False, PREC, RAW_SIGN, BM)
     dk = dk * scale
     tl.store(DK + kv_off, dk.to(DK.dtype.element_ty), mask=kv_mask)
     tl.store(DV + kv_off, dv.to(DV.dtype.element_ty), mask=kv_mask)
@@ -239,9 +270,9 @@ def attn_bwd_dkdv_kernel(
 
 @triton.jit
 def _dq_tiles(
-    dq, q, do, lse, delta, k_base, v_base, offs_m, lo, hi, seqlen, scale_log2,
+    dq, q, do, lse, c, delta, k_base, v_base, offs_m, lo, hi, seqlen, scale_log2,
     KV_STRIDE, D: tl.constexpr, BD: tl.constexpr,
-    MODE: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr, BN: tl.constexpr,
+    MODE: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr, RAW_SIGN: tl.constexpr, BN: tl.constexpr,
 ):
     offs_d = tl.arange(0, BD)
     mask_d = offs_d < D
@@ -255,10 +286,10 @@ def _dq_tiles(
         else:
             k = tl.load(k_base + kv_off)
             v = tl.load(v_base + kv_off)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
+        s = tl.dot(q, tl.trans(k), input_precision=PREC)         # raw logits
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
         valid = (offs_m[:, None] >= kn[None, :]) & (kn[None, :] < seqlen)
-        w, ds = _weights_and_grad(s, dp, lse, delta, valid, MODE, MASKED, 0)
+        w, ds = _weights_and_grad(s, dp, lse, c, delta, scale_log2, valid, MODE, MASKED, False, RAW_SIGN)
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
     return dq
 
@@ -267,10 +298,11 @@ def _dq_tiles(
 def attn_bwd_dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ, CU, scale_log2, scale, T,
     HQ, HK, D: tl.constexpr, BD: tl.constexpr,
-    MODE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
+    MODE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr, RAW_SIGN: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr,
 ):
-    blk = tl.program_id(0)
+    # query blocks in reverse launch order: the last ones see the most keys, so they start first
+    blk = tl.num_programs(0) - 1 - tl.program_id(0)
     h = tl.program_id(1)
     bos, seqlen = _doc_bounds(CU, tl.program_id(2), T, IS_VARLEN)
     if blk * BM >= seqlen:
@@ -285,14 +317,17 @@ def attn_bwd_dq_kernel(
     do = tl.load(DO + q_off, mask=q_mask, other=0.0)
     lse = tl.load(LSE + (bos + offs_m) * HQ + h, mask=mask_m, other=float("inf"))
     delta = tl.load(DELTA + (bos + offs_m) * HQ + h, mask=mask_m, other=0.0)
+    # per-row constants, broadcast once outside the tile loops
+    lse_b = lse[:, None]
+    delta_b = delta[:, None]
     k_base = K + bos * (HK * D) + hk * D
     v_base = V + bos * (HK * D) + hk * D
     dq = tl.zeros([BM, BD], dtype=tl.float32)
     diag = blk * BM
-    dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, offs_m, 0, diag, seqlen, scale_log2,
-                   HK * D, D, BD, MODE, False, PREC, BN)
+    dq = _dq_tiles(dq, q, do, lse_b, lse_b, delta_b, k_base, v_base, offs_m, 0, diag, seqlen, scale_log2,
+                   HK * D, D, BD, MODE, False, PREC, RAW_SIGN, BN)
     hi = tl.minimum(diag + BM, seqlen)
-    dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, offs_m, diag, hi, seqlen, scale_log2,
-                   HK * D, D, BD, MODE, True, PREC, BN)
+    dq = _dq_tiles(dq, q, do, lse_b, lse_b, delta_b, k_base, v_base, offs_m, diag, hi, seqlen, scale_log2,
+                   HK * D, D, BD, MODE, True, PREC, RAW_SIGN, BN)
     dq = dq * scale
     tl.store(DQ + q_off, dq.to(DQ.dtype.element_ty), mask=q_mask)

@@ -20,7 +20,9 @@ class TileConfig(NamedTuple):
     num_stages: int
 
 
-# Candidate tiles by padded head dim; the first entry is the untuned default.
+# Candidate tiles per kernel ("fwd", "dkdv", "dq") and padded head dim; the first entry is the
+# untuned default (used when FLAME_ATTN_AUTOTUNE=0). _MODE_TILES overrides a (kernel, mode, head
+# dim) where one mode prefers other tiles (softpick's backward holds more live values per element).
 _FWD = {
     64: [TileConfig(128, 64, 4, 3), TileConfig(128, 128, 8, 3), TileConfig(64, 64, 4, 3)],
     128: [TileConfig(128, 64, 8, 3), TileConfig(128, 128, 8, 2), TileConfig(64, 64, 4, 3)],
@@ -32,6 +34,8 @@ _BWD = {
           TileConfig(128, 32, 4, 4), TileConfig(128, 64, 8, 3)],
     256: [TileConfig(64, 32, 8, 2), TileConfig(32, 32, 4, 2), TileConfig(64, 16, 4, 2)],
 }
+_TILES = {"fwd": _FWD, "dkdv": _BWD, "dq": _BWD}
+_MODE_TILES: dict[tuple[str, int, int], list[TileConfig]] = {}
 _INTERPRET_TILE = TileConfig(16, 16, 1, 1)
 _TUNED: dict[tuple, TileConfig] = {}
 
@@ -41,8 +45,9 @@ def tuned_configs() -> dict[str, str]:
     return {"/".join(map(str, k)): str(tuple(v)) for k, v in _TUNED.items()}
 
 
-def _candidates(table: dict, bd: int) -> list[TileConfig]:
-    return table[64 if bd <= 64 else (128 if bd <= 128 else 256)]
+def _candidates(kernel: str, mode_id: int, bd: int) -> list[TileConfig]:
+    cls = 64 if bd <= 64 else (128 if bd <= 128 else 256)
+    return _MODE_TILES.get((kernel, mode_id, cls)) or _TILES[kernel][cls]
 
 
 def _run_tuned(key: tuple, configs: list[TileConfig], launch) -> None:
@@ -98,25 +103,30 @@ class ParallelAttentionFunction(torch.autograd.Function):
                 PREC=_prec(q.dtype), BM=c.outer, BN=c.inner, num_warps=c.num_warps, num_stages=c.num_stages,
             )
 
-        _run_tuned(("fwd", bd, mode_id, q.dtype, HQ // HK), _candidates(_FWD, bd), launch)
+        _run_tuned(("fwd", bd, mode_id, q.dtype, HQ // HK), _candidates("fwd", mode_id, bd), launch)
         ctx.save_for_backward(q, k, v, o, lse, cu_seqlens)
         ctx.meta = (mode_id, scale, max_seqlen, bd)
         return o
 
     @staticmethod
     def backward(ctx, do):
-        from flame.ops.attention.kernels import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel
+        from flame.ops.attention.kernels import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, bwd_delta_kernel
 
         q, k, v, o, lse, cu_seqlens = ctx.saved_tensors
         mode_id, scale, max_seqlen, bd = ctx.meta
         B, T, HQ, D = q.shape
         HK = k.shape[2]
         do = do.contiguous()
-        delta = (do.float() * o.float()).sum(-1).reshape(B * T, HQ)
+        # D_i = dO_i . O_i in float32, one fused pass (no float32 copies of O and dO)
+        delta = torch.empty(B * T, HQ, device=q.device, dtype=torch.float32)
+        n_rows = B * T * HQ
+        br = 16 if triton_interpreting() else max(16, 8192 // bd)
+        bwd_delta_kernel[(_cdiv(n_rows, br),)](o, do, delta, n_rows, D=D, BD=bd, BR=br, num_warps=4)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         n_docs = B if cu_seqlens is None else cu_seqlens.numel() - 1
         cu = cu_seqlens if cu_seqlens is not None else q.new_empty(1, dtype=torch.int32)
-        common = dict(D=D, BD=bd, MODE=mode_id, IS_VARLEN=cu_seqlens is not None, PREC=_prec(q.dtype))
+        common = dict(D=D, BD=bd, MODE=mode_id, IS_VARLEN=cu_seqlens is not None, PREC=_prec(q.dtype),
+                      RAW_SIGN=scale > 0)
 
         def launch_dkdv(c: TileConfig):
             attn_bwd_dkdv_kernel[(_cdiv(max_seqlen, c.outer), HK, n_docs)](
@@ -131,8 +141,8 @@ class ParallelAttentionFunction(torch.autograd.Function):
             )
 
         key = (bd, mode_id, q.dtype, HQ // HK)
-        _run_tuned(("dkdv",) + key, _candidates(_BWD, bd), launch_dkdv)
-        _run_tuned(("dq",) + key, _candidates(_BWD, bd), launch_dq)
+        _run_tuned(("dkdv",) + key, _candidates("dkdv", mode_id, bd), launch_dkdv)
+        _run_tuned(("dq",) + key, _candidates("dq", mode_id, bd), launch_dq)
         return dq, dk, dv, None, None, None, None, None
 
 
