@@ -95,6 +95,7 @@ def write(out: str, results: list) -> None:
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         "command": " ".join(sys.argv), "results": results,
+        "env": {k: os.environ[k] for k in ("CHECK_NPROC", "FLAME_AUTOTUNE_MAX_CONFIGS") if k in os.environ},
     }
     with open(out, "w") as f:
         json.dump(doc, f, indent=1)

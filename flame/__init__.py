@@ -23,3 +23,7 @@ def _register_model_families() -> None:
 
 
 _register_model_families()
+
+from flame.utils.autotune import limit_autotune_from_env  # noqa: E402
+
+limit_autotune_from_env()
