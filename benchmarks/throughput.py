@@ -67,6 +67,8 @@ def suites():
                  timeout=200),
             case("native_1B_varlen", "native", "1.3B", varlen=True),
             case("flame_tf_1B_varlen", "flame", TF_1B, varlen=True, ref="native_1B_varlen"),
+            case("flame_tf_1B_varlen_torch", "flame", TF_1B, varlen=True, ref="native_1B_varlen",
+                 env={"FLAME_VARLEN_SOFTMAX": "varlen"}),
             case("native_340M", "native", "340M"),
             case("flame_tf_340M", "flame", TF_340M, ref="native_340M"),
             case("flame_llama_1B", "flame", "configs/llama_1B.json", ref="native_1B"),
