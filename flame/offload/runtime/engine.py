@@ -26,7 +26,7 @@ from torch.utils.checkpoint import checkpoint
 
 from flame.errors import ConfigError
 from flame.offload.costs import find_blocks
-from flame.offload.runtime.streams import Streams, register_pinned, unregister_pinned
+from flame.offload.runtime.streams import PIN_PIECE_BYTES, Streams, piece_ranges, register_pinned, unregister_pinned
 from flame.offload.solver import Plan
 
 CONV_CHUNK = 1 << 25  # elements per GPU conversion chunk (128 MiB in fp32)
@@ -76,8 +76,9 @@ class _Slot:
 class OffloadEngine:
     def __init__(self, model: nn.Module, plan: Plan, device: torch.device, lr: float = 1e-3,
                  betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0, description: str = "",
-                 no_decay: set[str] | None = None):
+                 no_decay: set[str] | None = None, pin_piece_bytes: int = PIN_PIECE_BYTES):
         self.model, self.plan, self.device = model, plan, torch.device(device)
+        self.pin_piece_bytes = pin_piece_bytes  # cudaHostRegister piece of every pinned buffer
         self.description = description
         dts = plan.dtypes
         self.cdt, self.mdt, self.gdt, self.odt = (DT[dts[k]] for k in ("compute", "master", "grad", "moment"))
@@ -156,7 +157,7 @@ class OffloadEngine:
                     u.gacc = torch.zeros(u.numel, dtype=self.gdt)
                 u.w = torch.empty(u.numel, dtype=self.cdt, device=dev) if u.mode == "host_opt" else None
                 if u.w is not None:
-                    u.w.copy_(u.w_host)
+                    self._xfer(u.w_host, 0, u.numel, u.w, to_host=False, non_blocking=False)
             u.master = nn.Parameter(master, requires_grad=False)
             u.g = torch.zeros(u.numel, dtype=self.cdt, device=dev) if u.mode != "stream" else None
             if u.mode == "gpu":
@@ -170,7 +171,8 @@ class OffloadEngine:
             # page-lock in the background while the GPU side is set up; joined before the first forward
             def pin_all():
                 for u in host_units:
-                    self.pinned_ptrs += register_pinned(u.w_host) + register_pinned(u.g_stage)
+                    for t in (u.w_host, u.g_stage):
+                        self.pinned_ptrs += register_pinned(t, self.pin_piece_bytes)
 
             self._pin_thread = threading.Thread(target=pin_all, daemon=True)
             self._pin_thread.start()
@@ -205,7 +207,7 @@ class OffloadEngine:
                 return
             u.cpu_done.wait()
             with self.s.on(self.s.h2d):
-                u.w.copy_(u.w_host, non_blocking=True)
+                self._xfer(u.w_host, 0, u.numel, u.w, to_host=False)
                 u.ready = self.s.record(self.s.h2d)
             u.h2d_src_done = u.ready
             u.needs_h2d = False
@@ -222,10 +224,23 @@ class OffloadEngine:
         slot.owner, slot.last_use, u.slot = u, self.use_counter, slot
         with self.s.on(self.s.h2d):
             self.s.wait(self.s.h2d, slot.free)
-            slot.buf[: u.numel].copy_(u.w_host, non_blocking=True)
+            self._xfer(u.w_host, 0, u.numel, slot.buf, to_host=False)
             u.ready = self.s.record(self.s.h2d)
         u.h2d_src_done = u.ready
         u.bind(slot.buf[: u.numel])
+
+    def _xfer(self, host: torch.Tensor, lo: int, hi: int, dev: torch.Tensor, to_host: bool,
+              non_blocking: bool = True) -> None:
+        """host[lo:hi] <-> dev[:hi - lo], one copy per registered piece of `host`: CUDA rejects an
+        async copy that spans two separately page-locked ranges (invalid argument). Every copy
+        that touches a pinned host buffer goes through here."""
+        piece = self.pin_piece_bytes // host.element_size()
+        for a, b in piece_ranges(lo, hi, piece):
+            h, d = host[a:b], dev[a - lo:b - lo]
+            if to_host:
+                h.copy_(d, non_blocking=non_blocking)
+            else:
+                d.copy_(h, non_blocking=non_blocking)
 
     def _use(self, u: Unit) -> None:
         """The compute stream waits for `u`'s weights."""
@@ -253,10 +268,14 @@ class OffloadEngine:
             for _, p in u.params:
                 p.register_post_accumulate_grad_hook(self._acc_hook(u))
 
-    def _model_pre(self, mod, args):
+    def _join_pin(self) -> None:
+        """Wait for the background page-locking: no copy may touch a range being registered."""
         if self._pin_thread is not None:
             self._pin_thread.join()
             self._pin_thread = None
+
+    def _model_pre(self, mod, args):
+        self._join_pin()
         outer = self.units[0]
         self._fetch(outer, set())
         for j in range(1, min(len(self.units), self.depth + 2)):
@@ -350,16 +369,16 @@ class OffloadEngine:
         with self.s.on(self.s.d2h):
             if self.cuda:
                 self.s.d2h.wait_stream(cur)
-            if self.conv and self.cuda:
+            if self.conv:
                 # convert on the GPU in chunks, copy each chunk out; the stream orders buffer reuse
                 n = self.conv[0].numel()
                 for k, a in enumerate(range(0, u.numel, n)):
                     b = min(u.numel, a + n)
                     buf = self.conv[k % 2][: b - a]
                     buf.copy_(u.g[a:b])
-                    u.g_stage[a:b].copy_(buf, non_blocking=True)
+                    self._xfer(u.g_stage, a, b, buf, to_host=True)
             else:
-                u.g_stage.copy_(u.g, non_blocking=True)
+                self._xfer(u.g_stage, 0, u.numel, u.g, to_host=True)
             if u.mode == "host_opt":
                 u.g.zero_()
             u.d2h_done = self.s.record(self.s.d2h)
@@ -486,6 +505,7 @@ class OffloadEngine:
 
     def synchronize(self) -> None:
         """Wait for the CPU optimizer and all copies (before checkpointing or evaluation)."""
+        self._join_pin()
         self._wait_cpu()
         for u in self.units:
             u.cpu_done.wait()
@@ -514,10 +534,11 @@ class OffloadEngine:
     def load_model_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         self.synchronize()
         for u in self.units:
-            for fqn, p, v in self._views(u, u.master.data):
+            for (fqn, p), o in zip(u.params, u.offsets):
                 if fqn not in sd:
                     raise ConfigError(f"checkpoint: missing key {fqn!r}")
-                v.copy_(sd[fqn].reshape(v.shape))
+                # the master may be the pinned compute copy and the source a GPU tensor
+                self._xfer(u.master.data, o, o + p.numel(), sd[fqn].reshape(-1), to_host=True, non_blocking=False)
             self._refresh_compute(u)
 
     def _refresh_compute(self, u: Unit) -> None:
@@ -528,7 +549,7 @@ class OffloadEngine:
             if not _same(u.w_host, u.master):
                 u.w_host.copy_(u.master.data)
             if u.mode == "host_opt":
-                u.w.copy_(u.w_host)
+                self._xfer(u.w_host, 0, u.numel, u.w, to_host=False, non_blocking=False)
             elif u.slot is not None:
                 u.slot.owner, u.slot = None, None
 

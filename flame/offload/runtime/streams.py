@@ -49,9 +49,25 @@ class Streams:
         return e
 
 
-def register_pinned(t: torch.Tensor, piece_bytes: int = 1 << 30) -> list[int]:
-    """Page-lock `t`'s exact bytes with cudaHostRegister in pieces (no power-of-two rounding of
-    torch's caching host allocator). Returns the registered pointers (for unregister)."""
+PIN_PIECE_BYTES = 1 << 30  # cudaHostRegister granularity of the engine's pinned buffers
+
+
+def piece_ranges(lo: int, hi: int, piece: int) -> list[tuple[int, int]]:
+    """[lo, hi) cut at every multiple of `piece`: element ranges of a buffer registered in pieces
+    of `piece` elements, none of which crosses from one piece into the next."""
+    out = []
+    while lo < hi:
+        end = min(hi, (lo // piece + 1) * piece)
+        out.append((lo, end))
+        lo = end
+    return out
+
+
+def register_pinned(t: torch.Tensor, piece_bytes: int = PIN_PIECE_BYTES) -> list[int]:
+    """Page-lock `t`'s exact bytes with cudaHostRegister in pieces of `piece_bytes` from its first
+    byte (no power-of-two rounding of torch's caching host allocator). Returns the registered
+    pointers (for unregister). A single async copy must not span two pieces (CUDA rejects it
+    with invalid argument): split copies with `piece_ranges`."""
     if not torch.cuda.is_available():
         return []
     rt = torch.cuda.cudart()
