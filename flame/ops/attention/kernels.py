@@ -24,8 +24,9 @@ raw product q . k and fold the scale into one multiply-add with -lse2; sign test
 product (scale > 0, RAW_SIGN) and masked entries become -inf before the exp2.
 
 Grids are (blocks of the longest document, heads, documents); programs past the end of their
-document exit at once, and the most loaded blocks are launched first. Masked (diagonal) and
-unmasked tiles run in separate loops.
+document exit at once, and the most loaded blocks are launched first. Masked tiles (the
+diagonal, and a partial last query tile in dK/dV) and unmasked tiles run in separate loops; the
+inner tile must divide the outer one.
 """
 from __future__ import annotations
 
@@ -210,12 +211,18 @@ def _dkdv_tiles(
     mask_d = offs_d < D
     for start in range(lo, hi, BM):
         qm = start + tl.arange(0, BM)
-        mask_m = qm < seqlen
         q_off = qm[:, None] * Q_STRIDE + offs_d[None, :]
-        q = tl.load(q_base + q_off, mask=mask_m[:, None] & mask_d[None, :], other=0.0)
-        do = tl.load(do_base + q_off, mask=mask_m[:, None] & mask_d[None, :], other=0.0)
-        lse = tl.load(lse_base + qm * HQ, mask=mask_m, other=float("inf"))
-        delta = tl.load(delta_base + qm * HQ, mask=mask_m, other=0.0)
+        if MASKED or D != BD:
+            mask_m = qm < seqlen
+            q = tl.load(q_base + q_off, mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+            do = tl.load(do_base + q_off, mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+            lse = tl.load(lse_base + qm * HQ, mask=mask_m, other=float("inf"))
+            delta = tl.load(delta_base + qm * HQ, mask=mask_m, other=0.0)
+        else:  # whole tiles inside the document: no bounds masks (fewer live registers)
+            q = tl.load(q_base + q_off)
+            do = tl.load(do_base + q_off)
+            lse = tl.load(lse_base + qm * HQ)
+            delta = tl.load(delta_base + qm * HQ)
         if MODE == 1:
             c = tl.exp2(-lse)
         else:
@@ -253,6 +260,7 @@ def attn_bwd_dkdv_kernel(
     dv = tl.zeros([BN, BD], dtype=tl.float32)
     diag = blk * BN
     diag_hi = tl.minimum(diag + BN, seqlen)
+    full_hi = diag_hi + (seqlen - diag_hi) // BM * BM  # end of the whole query tiles below the diagonal
     for g in range(HQ // HK):
         h = hk * (HQ // HK) + g
         q_base = Q + bos * (HQ * D) + h * D
@@ -261,8 +269,10 @@ def attn_bwd_dkdv_kernel(
         delta_base = DELTA + bos * HQ + h
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, offs_n, diag, diag_hi,
                              seqlen, scale_log2, HQ * D, HQ, D, BD, MODE, True, PREC, RAW_SIGN, BM)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, offs_n, diag_hi, seqlen,
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, offs_n, diag_hi, full_hi,
                              seqlen, scale_log2, HQ * D, HQ, D, BD, MODE, False, PREC, RAW_SIGN, BM)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, offs_n, full_hi, seqlen,
+                             seqlen, scale_log2, HQ * D, HQ, D, BD, MODE, True, PREC, RAW_SIGN, BM)
     dk = dk * scale
     tl.store(DK + kv_off, dk.to(DK.dtype.element_ty), mask=kv_mask)
     tl.store(DV + kv_off, dv.to(DV.dtype.element_ty), mask=kv_mask)

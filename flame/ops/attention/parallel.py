@@ -15,7 +15,7 @@ LOG2E = 1.4426950408889634
 
 class TileConfig(NamedTuple):
     outer: int        # rows owned by one program (queries for fwd/dq, keys for dk/dv)
-    inner: int        # tile length of the loop dimension
+    inner: int        # tile length of the loop dimension (must divide ``outer``)
     num_warps: int
     num_stages: int
 
@@ -23,19 +23,31 @@ class TileConfig(NamedTuple):
 # Candidate tiles per kernel ("fwd", "dkdv", "dq") and padded head dim; the first entry is the
 # untuned default (used when FLAME_ATTN_AUTOTUNE=0). _MODE_TILES overrides a (kernel, mode, head
 # dim) where one mode prefers other tiles (softpick's backward holds more live values per element).
+# Head dim 128 ordered by an H100 sweep (benchmarks/attention_tiles.py, B=4 T=4096 H=16 bf16:
+# benchmarks/results/attention_tiles_nvidia_h100_80gb_hbm3.json).
 _FWD = {
     64: [TileConfig(128, 64, 4, 3), TileConfig(128, 128, 8, 3), TileConfig(64, 64, 4, 3)],
-    128: [TileConfig(128, 64, 8, 3), TileConfig(128, 128, 8, 2), TileConfig(64, 64, 4, 3)],
+    128: [TileConfig(64, 64, 4, 3), TileConfig(128, 64, 8, 3), TileConfig(128, 128, 8, 3)],
     256: [TileConfig(64, 32, 4, 2), TileConfig(64, 64, 8, 2), TileConfig(128, 32, 8, 2)],
 }
-_BWD = {
+_DKDV = {
     64: [TileConfig(128, 64, 8, 3), TileConfig(128, 32, 8, 3), TileConfig(64, 32, 4, 3)],
-    128: [TileConfig(128, 64, 8, 2), TileConfig(128, 32, 8, 3), TileConfig(64, 64, 4, 3),
-          TileConfig(128, 32, 4, 4), TileConfig(128, 64, 8, 3)],
+    128: [TileConfig(128, 64, 8, 2), TileConfig(64, 32, 4, 3), TileConfig(128, 64, 8, 3), TileConfig(64, 64, 4, 2)],
     256: [TileConfig(64, 32, 8, 2), TileConfig(32, 32, 4, 2), TileConfig(64, 16, 4, 2)],
 }
-_TILES = {"fwd": _FWD, "dkdv": _BWD, "dq": _BWD}
-_MODE_TILES: dict[tuple[str, int, int], list[TileConfig]] = {}
+_DQ = {
+    64: [TileConfig(128, 64, 8, 3), TileConfig(128, 32, 8, 3), TileConfig(64, 32, 4, 3)],
+    128: [TileConfig(128, 64, 8, 3), TileConfig(64, 32, 4, 3), TileConfig(128, 128, 8, 2)],
+    256: [TileConfig(64, 32, 8, 2), TileConfig(32, 32, 4, 2), TileConfig(64, 16, 4, 2)],
+}
+_TILES = {"fwd": _FWD, "dkdv": _DKDV, "dq": _DQ}
+_MODE_TILES: dict[tuple[str, int, int], list[TileConfig]] = {
+    ("fwd", 1, 128): [TileConfig(128, 64, 8, 3), TileConfig(64, 64, 4, 3), TileConfig(128, 128, 8, 3)],
+    ("dkdv", 1, 128): [TileConfig(64, 32, 4, 3), TileConfig(128, 64, 8, 3), TileConfig(128, 64, 8, 2),
+                       TileConfig(64, 64, 4, 2)],
+    ("dkdv", 2, 128): [TileConfig(128, 64, 8, 3), TileConfig(128, 64, 8, 2), TileConfig(64, 64, 4, 2),
+                       TileConfig(64, 32, 4, 3)],
+}
 _INTERPRET_TILE = TileConfig(16, 16, 1, 1)
 _TUNED: dict[tuple, TileConfig] = {}
 
