@@ -155,12 +155,18 @@ def run_engine(cfg, prof, dt, cap_gib, mb, seq, rounds, steps, model_dtype):
     print(text, flush=True)
     torch.manual_seed(0)
     t0 = time.perf_counter()
+    mem = {"before_model": torch.cuda.memory_allocated()}  # what earlier work in this process left
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=model_dtype)
+    mem["after_model"] = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
     eng = OffloadEngine(model, plan, torch.device("cuda"), lr=1e-4, description=text)
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     setup = time.perf_counter() - t0
+    mem["peak_during_construction"] = torch.cuda.max_memory_allocated()
+    mem["after_engine"] = torch.cuda.memory_allocated()  # static: the engine's buffers (no moments yet)
+    mem["report_after_engine"] = eng.memory_report()
     ids = torch.randint(0, cfg.vocab_size, (mb, seq), device="cuda")
     losses = []
 
@@ -172,15 +178,27 @@ def run_engine(cfg, prof, dt, cap_gib, mb, seq, rounds, steps, model_dtype):
         losses.append(float(n))
 
     torch.cuda.reset_peak_memory_stats()
-    s = timed(step, 2, steps)
-    eng.synchronize()
+    try:
+        step()
+        torch.cuda.synchronize()
+        mem["after_first_step"] = torch.cuda.memory_allocated()  # static incl. the GPU units' moments
+        mem["peak_first_step"] = torch.cuda.max_memory_allocated()
+        s = timed(step, 1, steps)
+        eng.synchronize()
+    except BaseException:
+        eng.close()  # the hooks off the model: the next section starts with this memory free
+        raise
     peak = torch.cuda.max_memory_allocated()
+    mem.update(peak=peak, peak_reserved=torch.cuda.max_memory_reserved(), report=eng.memory_report())
+    # transient = what a step adds on top of the engine's own buffers (activations, loss, grads in flight)
+    mem["peak_over_static"] = peak - mem["after_first_step"]
     pr = plan.predicted
     out = {"step_s": s, "tokens_per_s": mb * seq * rounds / s, "peak_gpu_bytes": peak, "gpu_cap_bytes": int(cap_gib * GiB),
            "setup_s": setup, "useful_tflops": pr["useful_tflops"] * pr["step_s"] / s,
            "predicted_step_s": pr["step_s"], "predicted_peak_gpu_bytes": pr["peak_gpu_bytes"],
            "step_error": s / pr["step_s"] - 1, "peak_error": peak / pr["peak_gpu_bytes"] - 1,
-           "grad_norms": losses, "block_calibration": cal,
+           "grad_norms": losses, "block_calibration": cal, "memory": mem,
+           "predicted_memory": {k: pr.get(k) for k in ("static_gpu_bytes", "activation_bytes", "transient_bytes")},
            "refit_fudge_over_block": s / pr["step_s"], "plan": {"layer_modes": plan.layer_modes, "layer_acts": plan.layer_acts,
                                           "outer": plan.outer_mode, "depth": plan.prefetch_depth}, "plan_text": text}
     eng.close()

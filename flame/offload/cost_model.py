@@ -12,7 +12,7 @@ measured duplex rate; the forward's H2D runs alone at the full H2D rate.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from flame.offload.costs import ModelCosts, UnitCosts
 from flame.offload.profile import HardwareProfile
@@ -54,13 +54,45 @@ class Dtypes:
 MODES = ("gpu", "host_opt", "stream")
 
 
-def unit_gpu_bytes(u: UnitCosts, mode: str, dt: Dtypes) -> int:
+# what the engine holds on the GPU for its whole life, by kind (OffloadEngine.memory_report
+# measures the same categories)
+MEMORY_CATEGORIES = ("compute", "grads", "grad_acc", "master", "moments", "slots", "grad_slots", "conversion")
+
+
+def unit_gpu_categories(u: UnitCosts, mode: str, dt: Dtypes) -> dict[str, int]:
+    """GPU bytes a unit owns, by category."""
+    out = dict.fromkeys(MEMORY_CATEGORIES, 0)
+    if mode in ("gpu", "host_opt"):
+        # compute copy + its grad (autograd writes grads in the param dtype)
+        out["compute"] = out["grads"] = u.numel * dt.c
     if mode == "gpu":
-        # compute copy + its grad (autograd writes grads in the param dtype) + master + accumulator + moments
-        return u.numel * (2 * dt.c + dt.master_extra + dt.grad_extra + dt.moments)
-    if mode == "host_opt":
-        return u.numel * 2 * dt.c
-    return 0
+        # a separate master / accumulator only when its dtype differs from the compute dtype
+        out["master"] = u.numel * dt.master_extra
+        out["grad_acc"] = u.numel * dt.grad_extra
+        out["moments"] = u.numel * dt.moments
+    return out
+
+
+def unit_gpu_bytes(u: UnitCosts, mode: str, dt: Dtypes) -> int:
+    return sum(unit_gpu_categories(u, mode, dt).values())
+
+
+def static_gpu_bytes(units: list[UnitCosts], modes: list[str], dt: Dtypes, depth: int, rounds: int) -> dict[str, int]:
+    """GPU bytes the engine allocates for its whole life, by category: the units' own buffers,
+    the weight and grad slots of streamed units, the grad conversion chunks."""
+    out = dict.fromkeys(MEMORY_CATEGORIES, 0)
+    for u, m in zip(units, modes):
+        for k, v in unit_gpu_categories(u, m, dt).items():
+            out[k] += v
+    streamed = [u.numel for u, m in zip(units, modes) if m == "stream"]
+    if streamed:  # see OffloadEngine._build_buffers
+        out["slots"] = (depth + 3) * max(streamed) * dt.c
+        out["grad_slots"] = 2 * max(streamed) * dt.c
+    host = [u.numel for u, m in zip(units, modes) if m != "gpu"]
+    g = DTYPE_BYTES[dt.grad]
+    if host and rounds == 1 and g != dt.c:
+        out["conversion"] = 2 * min(CONV_CHUNK, max(host)) * g
+    return out
 
 
 def unit_host_bytes(u: UnitCosts, mode: str, dt: Dtypes, rounds: int = 1) -> tuple[int, int]:
@@ -89,6 +121,12 @@ class Prediction:
     d2h_bytes: int
     cpu_s: float
     useful_flops: float
+    static_gpu: dict = field(default_factory=dict)
+    """The engine's own GPU buffers by category (OffloadEngine.memory_report measures these)."""
+    activation_bytes: int = 0
+    """Saved for the backward at the end of the forward."""
+    transient_bytes: int = 0
+    """The largest transient on top (a recomputed block, the loss backward)."""
 
 
 def _flow(jobs, depth):
@@ -174,10 +212,8 @@ def predict(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, layer_modes, l
     total += gpu_params / (prof.gpu_adam_gparams * 1e9)
 
     # memory
-    mem = sum(unit_gpu_bytes(u, m, dt) for u, m in zip(units, modes))
-    streamed = [u.numel for u, m in zip(units, modes) if m == "stream"]
-    if streamed:
-        mem += (depth + 3) * max(streamed) * c + 2 * max(streamed) * c  # weight slots + grad slots (see engine)
+    static = static_gpu_bytes(units, modes, dt, depth, rounds)
+    mem = sum(static.values())
     act = sum(scale * (u.act_keep_bytes if a == "keep" else u.act_recompute_bytes) for u, a in zip(layers, layer_acts))
     act += scale * outer.act_keep_bytes
     # transient of a backward: the recomputed block's activations + its gradient buffers; the loss's
@@ -186,14 +222,15 @@ def predict(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, layer_modes, l
     # loss backward: the largest saved tensor (log-softmax of the logits), its incoming and its
     # outgoing gradient alive at once
     trans.append(scale * 2.0 * outer.max_saved_bytes)
+    # the outer's weight grads (head, embeddings) arrive as new tensors before they are added
+    # into the unit's grad buffer
+    trans.append(outer.numel * c)
     mem += int(act + max(trans)) + RUNTIME_OVERHEAD_BYTES
-    host_units = [u.numel for u, m in zip(units, modes) if m != "gpu"]
-    if host_units and rounds == 1 and g != c:
-        mem += 2 * min(CONV_CHUNK, max(host_units)) * g  # GPU-side grad conversion buffers
     host = pinned = 0
     for u, m in zip(units, modes):
         h, p = unit_host_bytes(u, m, dt, rounds)
         host += h
         pinned += p
     useful = rounds * sum(scale * (u.fwd_gemm_flops + u.bwd_gemm_flops + u.fwd_attn_flops + u.bwd_attn_flops) for u in units)
-    return Prediction(total, mem, host, pinned, compute, h2d_bytes, d2h_bytes, sum(cpu_t), useful)
+    return Prediction(total, mem, host, pinned, compute, h2d_bytes, d2h_bytes, sum(cpu_t), useful, static, int(act),
+                      int(max(trans)))

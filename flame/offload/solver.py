@@ -179,7 +179,8 @@ def _pred_dict(p: Prediction, costs: ModelCosts, micro_batch: int, rounds: int, 
     return {"step_s": p.step_s, "tokens_per_s": tokens / p.step_s, "mfu": p.useful_flops / p.step_s / peak,
             "useful_tflops": p.useful_flops / p.step_s / 1e12,
             "peak_gpu_bytes": p.gpu_bytes, "peak_host_bytes": p.host_bytes, "pinned_bytes": p.pinned_bytes,
-            "compute_s": p.compute_s, "h2d_bytes": p.h2d_bytes, "d2h_bytes": p.d2h_bytes, "cpu_opt_s": p.cpu_s}
+            "compute_s": p.compute_s, "h2d_bytes": p.h2d_bytes, "d2h_bytes": p.d2h_bytes, "cpu_opt_s": p.cpu_s,
+            "static_gpu_bytes": p.static_gpu, "activation_bytes": p.activation_bytes, "transient_bytes": p.transient_bytes}
 
 
 def _binding(plan: Plan, prof: HardwareProfile) -> str:

@@ -197,3 +197,41 @@ def test_copies_split_at_tiny_pin_pieces_same_numbers(monkeypatch):
     got, eng = run_engine(tiny(seed=6), p, b, 1, max_norm=0.5, pin_piece_bytes=40)
     assert eng.conv and eng.conv[0].numel() == 7
     assert got == want
+
+
+@pytest.mark.parametrize("dtypes", [F32, {"compute": "bfloat16", "master": "float32", "grad": "float32", "moment": "float32"}])
+def test_memory_report_is_what_the_cost_model_counts(dtypes):
+    """The engine's own device memory, category by category, is cost_model.static_gpu_bytes of
+    the same plan (with equal dtypes the master is the compute copy and the grad buffer the
+    accumulator: counted once)."""
+    from flame.offload.cost_model import Dtypes, static_gpu_bytes
+    from flame.offload.costs import measure_costs
+
+    mod = tiny()
+    costs = measure_costs(copy.deepcopy(mod), 2, 16)
+    p = plan(["gpu", "host_opt", "stream", "stream"], ["keep"] * 4, "gpu", depth=2, dtypes=dtypes)
+    _, eng = run_engine(mod, p, batches(1, 1), 1, max_norm=1.0)
+    rep = eng.memory_report()
+    want = static_gpu_bytes([costs.outer] + costs.layers, [p.outer_mode] + p.layer_modes, Dtypes(**dtypes), p.prefetch_depth, 1)
+    assert {k: rep[k] for k in want} == want
+    assert rep["total"] == sum(want.values()) + rep["other"]
+    assert 0 < rep["other"] < 4096  # rotary table, step counters, the norm scalar
+
+
+def test_dropped_engine_frees_model_and_buffers():
+    """Nothing autograd owns (parameter hooks, saved-tensor hooks) keeps the engine alive: after
+    close(), or when simply dropped, the engine, the model and their buffers are freed."""
+    import gc
+    import weakref
+
+    for close in (True, False):
+        mod = tiny()
+        _, eng = run_engine(mod, plan(["stream", "host_opt", "gpu", "stream"], ["recompute", "keep", "keep", "keep"], "gpu"),
+                            batches(1, 1), 1, max_norm=1.0)
+        refs = [weakref.ref(eng), weakref.ref(mod), weakref.ref(eng.slots[0].buf)]
+        if close:
+            eng.close()
+            assert not mod._forward_pre_hooks and "forward" not in mod.model.layers[0].__dict__
+        del eng, mod
+        gc.collect()
+        assert all(r() is None for r in refs)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import threading
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -25,6 +26,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from flame.errors import ConfigError
+from flame.offload.cost_model import MEMORY_CATEGORIES
 from flame.offload.costs import find_blocks
 from flame.offload.runtime.streams import PIN_PIECE_BYTES, Streams, piece_ranges, register_pinned, unregister_pinned
 from flame.offload.solver import Plan
@@ -133,40 +135,26 @@ class OffloadEngine:
         return t
 
     def _build_buffers(self) -> None:
-        dev, cpu = self.device, torch.device("cpu")
+        dev = self.device
         host_units = [u for u in self.units if u.mode != "gpu"]
         stream_units = [u for u in self.units if u.mode == "stream"]
+        self.conv = []
+        if self.direct and host_units and self.gdt != self.cdt:
+            # two rotating chunk buffers for the GPU-side grad conversion before D2H
+            n = min(CONV_CHUNK, max(u.numel for u in host_units))
+            self.conv = [torch.empty(n, dtype=self.gdt, device=dev) for _ in range(2)]
+        self.slots, self.gslots, self.slot_ptrs = [], [], {}
+        if stream_units:
+            big = max(u.numel for u in stream_units)
+            # depth+1 ahead of (or behind) the running block, the running block, and the block whose
+            # backward may still be finishing (protected until its grads are out)
+            self.slots = [_Slot(torch.empty(big, dtype=self.cdt, device=dev)) for _ in range(self.depth + 3)]
+            self.gslots = [_Slot(torch.empty(big, dtype=self.cdt, device=dev)) for _ in range(2)]
+            self.slot_ptrs = {s.buf.untyped_storage().data_ptr(): s for s in self.slots}
         for u in self.units:
-            on_gpu = u.mode == "gpu"
-            mdev = dev if on_gpu else cpu
-            master = self._flat_from_params(u, self.mdt, mdev)
-            if u.mode == "gpu":
-                u.w = master if self.mdt == self.cdt else master.to(self.cdt)
-            else:
-                # the pinned compute copy the GPU streams from (exact size, registered below)
-                # with master dtype == compute dtype the master is the pinned copy the GPU streams
-                # from: the CPU step waits for the last H2D read of it before writing (_cpu_step)
-                u.w_host = master.to(self.cdt) if self.mdt != self.cdt else master
-                if self.direct:
-                    # one micro-batch per step: grads arrive on the host already in grad dtype
-                    # (converted on the GPU), straight into the accumulator the CPU AdamW reads
-                    u.g_stage = torch.zeros(u.numel, dtype=self.gdt)
-                    u.gacc = u.g_stage
-                else:
-                    u.g_stage = torch.zeros(u.numel, dtype=self.cdt)
-                    u.gacc = torch.zeros(u.numel, dtype=self.gdt)
-                u.w = torch.empty(u.numel, dtype=self.cdt, device=dev) if u.mode == "host_opt" else None
-                if u.w is not None:
-                    self._xfer(u.w_host, 0, u.numel, u.w, to_host=False, non_blocking=False)
-            u.master = nn.Parameter(master, requires_grad=False)
-            u.g = torch.zeros(u.numel, dtype=self.cdt, device=dev) if u.mode != "stream" else None
-            if u.mode == "gpu":
-                u.gacc = u.g if self.gdt == self.cdt else torch.zeros(u.numel, dtype=self.gdt, device=dev)
-            u.opt = torch.optim.AdamW([u.master], lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=0.0, fused=True)
-            if u.w is not None:
-                u.bind(u.w)
-            if u.g is not None:
-                u.bind(u.g, grad=True)
+            # one unit at a time, its parameters rebound before the next: the model's original
+            # storage (fp32 on the GPU when built there) is freed unit by unit, never all kept
+            self._build_unit(u)
         if self.pin:
             # page-lock in the background while the GPU side is set up; joined before the first forward
             def pin_all():
@@ -178,24 +166,37 @@ class OffloadEngine:
             self._pin_thread.start()
         else:
             self._pin_thread = None
-        self.conv = []
-        if self.direct and host_units and self.gdt != self.cdt:
-            # two rotating chunk buffers for the GPU-side grad conversion before D2H
-            n = min(CONV_CHUNK, max(u.numel for u in host_units))
-            self.conv = [torch.empty(n, dtype=self.gdt, device=dev) for _ in range(2)]
-        if stream_units:
-            big = max(u.numel for u in stream_units)
-            # depth+1 ahead of (or behind) the running block, the running block, and the block whose
-            # backward may still be finishing (protected until its grads are out)
-            self.slots = [_Slot(torch.empty(big, dtype=self.cdt, device=dev)) for _ in range(self.depth + 3)]
-            self.gslots = [_Slot(torch.empty(big, dtype=self.cdt, device=dev)) for _ in range(2)]
-            self.slot_ptrs = {s.buf.untyped_storage().data_ptr(): s for s in self.slots}
-            for u in stream_units:  # params point nowhere until fetched
-                u.bind(self.slots[0].buf[: u.numel])
+
+    def _build_unit(self, u: Unit) -> None:
+        dev, cpu = self.device, torch.device("cpu")
+        master = self._flat_from_params(u, self.mdt, dev if u.mode == "gpu" else cpu)
+        if u.mode == "gpu":
+            u.w = master if self.mdt == self.cdt else master.to(self.cdt)
         else:
-            self.slots, self.gslots, self.slot_ptrs = [], [], {}
-        for u in host_units:
-            u.needs_h2d = False  # the initial compute copies are already in place
+            # the pinned compute copy the GPU streams from (exact size, registered later)
+            # with master dtype == compute dtype the master is the pinned copy the GPU streams
+            # from: the CPU step waits for the last H2D read of it before writing (_cpu_step)
+            u.w_host = master.to(self.cdt) if self.mdt != self.cdt else master
+            if self.direct:
+                # one micro-batch per step: grads arrive on the host already in grad dtype
+                # (converted on the GPU), straight into the accumulator the CPU AdamW reads
+                u.g_stage = torch.zeros(u.numel, dtype=self.gdt)
+                u.gacc = u.g_stage
+            else:
+                u.g_stage = torch.zeros(u.numel, dtype=self.cdt)
+                u.gacc = torch.zeros(u.numel, dtype=self.gdt)
+            u.w = torch.empty(u.numel, dtype=self.cdt, device=dev) if u.mode == "host_opt" else None
+            if u.w is not None:  # the initial compute copy is in place: no H2D before the first forward
+                self._xfer(u.w_host, 0, u.numel, u.w, to_host=False, non_blocking=False)
+        u.master = nn.Parameter(master, requires_grad=False)
+        u.g = torch.zeros(u.numel, dtype=self.cdt, device=dev) if u.mode != "stream" else None
+        if u.mode == "gpu":
+            u.gacc = u.g if self.gdt == self.cdt else torch.zeros(u.numel, dtype=self.gdt, device=dev)
+        u.opt = torch.optim.AdamW([u.master], lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=0.0, fused=True)
+        # stream: parameters point at a slot (nothing meaningful) until fetched
+        u.bind(u.w if u.w is not None else self.slots[0].buf[: u.numel])
+        if u.g is not None:
+            u.bind(u.g, grad=True)
 
     # ------------------------------------------------------------------ fetching
     def _fetch(self, u: Unit, protect: set[int]) -> None:
@@ -253,20 +254,29 @@ class OffloadEngine:
 
     # ------------------------------------------------------------------ hooks
     def _install_hooks(self) -> None:
+        """Hooks on the model; their handles are kept so that close() gives the model back."""
         n = len(self.blocks)
         self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        self.model.register_forward_pre_hook(self._model_pre)
-        self.model.register_forward_hook(self._model_post)
+        h = [self.model.register_forward_pre_hook(self._model_pre), self.model.register_forward_hook(self._model_post)]
+        self._wrapped = []
         for i, b in enumerate(self.blocks):
             u = self.units[i + 1]
-            b.register_forward_pre_hook(self._block_pre(u, i, n))
-            b.register_forward_hook(self._block_post(u))
+            h += [b.register_forward_pre_hook(self._block_pre(u, i, n)), b.register_forward_hook(self._block_post(u))]
             if u.act == "recompute":
                 orig = b.forward
                 b.forward = lambda *a, _f=orig, **k: checkpoint(_f, *a, use_reentrant=False, **k)
+                self._wrapped.append(b)
         for u in self.units:
             for _, p in u.params:
-                p.register_post_accumulate_grad_hook(self._acc_hook(u))
+                h.append(p.register_post_accumulate_grad_hook(self._weak_unit_call(OffloadEngine._grad_arrived, u)))
+        self._handles = h
+
+    def _remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        for b in self._wrapped:
+            del b.forward  # the instance attribute set above; the class's forward shows again
+        self._handles, self._wrapped = [], []
 
     def _join_pin(self) -> None:
         """Wait for the background page-locking: no copy may touch a range being registered."""
@@ -307,7 +317,7 @@ class OffloadEngine:
             self._release(u)
             t = out[0] if isinstance(out, (tuple, list)) else out
             if isinstance(t, torch.Tensor) and t.requires_grad:
-                t.register_hook(lambda g: self._bwd_start(u) or None)
+                t.register_hook(self._weak_unit_call(OffloadEngine._bwd_start, u))
 
         return hook
 
@@ -328,15 +338,26 @@ class OffloadEngine:
             u.g.zero_()
             u.bind(u.g, grad=True)
 
-    def _acc_hook(self, u: Unit):
-        total = len(u.params)
+    def _weak_unit_call(self, fn, u: Unit):
+        """A hook calling fn(engine, u) while the engine lives, for hooks that autograd's C++ side
+        owns (parameters, graph nodes). The garbage collector cannot see through those: a strong
+        reference to the engine (or to `u`, which holds the parameters) would make a cycle it never
+        collects, keeping the engine, the model and all their GPU memory alive after the engine is
+        dropped (a later run in the same process then starts that much fuller). Returns None (a
+        tensor hook that leaves the gradient as it is)."""
+        me, idx = weakref.ref(self), u.idx
 
-        def hook(p):
-            u.count += 1
-            if u.count == total:
-                self._grads_ready(u)
+        def hook(*_):
+            eng = me()
+            if eng is not None:
+                fn(eng, eng.units[idx])
 
         return hook
+
+    def _grad_arrived(self, u: Unit) -> None:
+        u.count += 1
+        if u.count == len(u.params):
+            self._grads_ready(u)
 
     def _bwd_end(self) -> None:
         for u in self.units:
@@ -409,7 +430,10 @@ class OffloadEngine:
                 return ("w", slot.owner, t.storage_offset(), tuple(t.shape), t.stride())
         return t
 
-    def _unpack(self, x):
+    @staticmethod
+    def _unpack(x):
+        # static: every saved tensor of the graph keeps this hook (from C++, unseen by the garbage
+        # collector); the engine must not be reachable from it (see _weak_unit_call)
         if isinstance(x, tuple):
             _, u, off, shape, stride = x
             return torch.as_strided(u.slot.buf, shape, stride, off)
@@ -607,11 +631,47 @@ class OffloadEngine:
         if "optimizer" in sd:
             self.load_optimizer_state_dict(sd["optimizer"])
 
+    def memory_report(self) -> dict[str, int]:
+        """Bytes the engine holds on the compute device, by the categories of
+        cost_model.static_gpu_bytes (each storage counted once, under the first category that
+        names it: a master that is the compute copy counts as compute, an accumulator that is the
+        grad buffer as grads), plus "other" (the model's buffers, optimizer step counters) and
+        "total". Activations and a step's transients are not the engine's and not in here; the
+        moments appear after the first step (AdamW allocates them lazily)."""
+        rep = dict.fromkeys(MEMORY_CATEGORIES + ("other",), 0)
+        seen = set()
+
+        def add(cat, t):
+            if t is not None and t.device.type == self.device.type and t.untyped_storage().data_ptr() not in seen:
+                seen.add(t.untyped_storage().data_ptr())
+                rep[cat] += t.untyped_storage().nbytes()
+
+        for u in self.units:
+            if u.mode == "stream":
+                continue
+            add("compute", u.w)
+            add("grads", u.g)
+            if u.mode == "gpu":  # host units keep these on the host
+                add("grad_acc", u.gacc)
+                add("master", u.master.data)
+                st = u.opt.state.get(u.master, {})
+                for k, v in st.items():
+                    add("moments" if k in ("exp_avg", "exp_avg_sq") else "other", v)
+        for cat, bufs in (("slots", [x.buf for x in self.slots]), ("grad_slots", [x.buf for x in self.gslots]),
+                          ("conversion", self.conv), ("other", list(self.model.buffers()) + [self.gpu_sq])):
+            for b in bufs:
+                add(cat, b)
+        rep["total"] = sum(rep.values())
+        return rep
+
     def describe(self) -> str:
         return self.description or repr(self.plan)
 
     def close(self) -> None:
+        """Finish pending work, unpin, and take the hooks off the model (no reference from the
+        model back to the engine is left: dropping both frees every buffer)."""
         self.synchronize()
         self.pool.shutdown(wait=True)
         unregister_pinned(self.pinned_ptrs)
         self.pinned_ptrs = []
+        self._remove_hooks()
