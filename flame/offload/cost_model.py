@@ -59,9 +59,18 @@ MODES = ("gpu", "host_opt", "stream")
 MEMORY_CATEGORIES = ("compute", "grads", "grad_acc", "master", "moments", "slots", "grad_slots", "conversion")
 
 
-def unit_gpu_categories(u: UnitCosts, mode: str, dt: Dtypes) -> dict[str, int]:
-    """GPU bytes a unit owns, by category."""
+def gpu_acc_extra(mode: str, dt: Dtypes) -> int:
+    """Bytes/param of a host unit's GPU grad accumulator (rounds > 1): a host_opt unit whose grads
+    are already in grad dtype accumulates in its own grad buffer, at no extra memory."""
+    return 0 if mode == "host_opt" and dt.grad_extra == 0 else DTYPE_BYTES[dt.grad]
+
+
+def unit_gpu_categories(u: UnitCosts, mode: str, dt: Dtypes, gpu_acc: bool = False) -> dict[str, int]:
+    """GPU bytes a unit owns, by category (`gpu_acc`: a host unit accumulating its grads on the GPU
+    over the rounds of a step)."""
     out = dict.fromkeys(MEMORY_CATEGORIES, 0)
+    if gpu_acc and mode != "gpu":
+        out["grad_acc"] = u.numel * gpu_acc_extra(mode, dt)
     if mode in ("gpu", "host_opt"):
         # compute copy + its grad (autograd writes grads in the param dtype)
         out["compute"] = out["grads"] = u.numel * dt.c
@@ -73,16 +82,19 @@ def unit_gpu_categories(u: UnitCosts, mode: str, dt: Dtypes) -> dict[str, int]:
     return out
 
 
-def unit_gpu_bytes(u: UnitCosts, mode: str, dt: Dtypes) -> int:
-    return sum(unit_gpu_categories(u, mode, dt).values())
+def unit_gpu_bytes(u: UnitCosts, mode: str, dt: Dtypes, gpu_acc: bool = False) -> int:
+    return sum(unit_gpu_categories(u, mode, dt, gpu_acc).values())
 
 
-def static_gpu_bytes(units: list[UnitCosts], modes: list[str], dt: Dtypes, depth: int, rounds: int) -> dict[str, int]:
+def static_gpu_bytes(units: list[UnitCosts], modes: list[str], dt: Dtypes, depth: int, rounds: int,
+                     accs: list[bool] | None = None) -> dict[str, int]:
     """GPU bytes the engine allocates for its whole life, by category: the units' own buffers,
-    the weight and grad slots of streamed units, the grad conversion chunks."""
+    the weight and grad slots of streamed units, the grad conversion chunks. `accs`: per unit,
+    grads accumulated on the GPU (only for host units with rounds > 1, see effective_accs)."""
     out = dict.fromkeys(MEMORY_CATEGORIES, 0)
-    for u, m in zip(units, modes):
-        for k, v in unit_gpu_categories(u, m, dt).items():
+    accs = effective_accs(modes, accs, rounds)
+    for u, m, a in zip(units, modes, accs):
+        for k, v in unit_gpu_categories(u, m, dt, a).items():
             out[k] += v
     streamed = [u.numel for u, m in zip(units, modes) if m == "stream"]
     if streamed:  # see OffloadEngine._build_buffers
@@ -95,14 +107,21 @@ def static_gpu_bytes(units: list[UnitCosts], modes: list[str], dt: Dtypes, depth
     return out
 
 
-def unit_host_bytes(u: UnitCosts, mode: str, dt: Dtypes, rounds: int = 1) -> tuple[int, int]:
+def effective_accs(modes: list[str], accs: list[bool] | None, rounds: int) -> list[bool]:
+    """Which units really accumulate on the GPU: host units of a plan with rounds > 1 (GPU units
+    always do; with one round there is nothing to accumulate). Missing entries: on the host."""
+    accs = list(accs or [])
+    return [rounds > 1 and m != "gpu" and i < len(accs) and bool(accs[i]) for i, m in enumerate(modes)]
+
+
+def unit_host_bytes(u: UnitCosts, mode: str, dt: Dtypes, rounds: int = 1, gpu_acc: bool = False) -> tuple[int, int]:
     """(total host bytes, of which pinned) of a unit."""
     if mode == "gpu":
         return 0, 0
     g = DTYPE_BYTES[dt.grad]
-    if rounds == 1:
+    if rounds == 1 or gpu_acc:
         # pinned: compute copy the GPU streams from (the master itself when dtypes match) + the
-        # grad accumulator the D2H writes into directly
+        # grad accumulator the D2H writes into directly (once per step)
         pinned = u.numel * (dt.c + g)
         return pinned + u.numel * (dt.master_extra + dt.moments), pinned
     # rounds > 1: grads arrive in compute dtype into a pinned staging buffer, added on the CPU
@@ -155,8 +174,10 @@ def unit_times(u: UnitCosts, prof: HardwareProfile, scale: float, fudge: float =
 
 
 def predict(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, layer_modes, layer_acts, outer_mode: str,
-            depth: int, micro_batch: int, rounds: int, cpu_threads: int, fudge: float = 1.0) -> Prediction:
-    """Predicted steady-state step time and peak memory of one plan."""
+            depth: int, micro_batch: int, rounds: int, cpu_threads: int, fudge: float = 1.0,
+            layer_accs: list[bool] | None = None, outer_acc: bool = False) -> Prediction:
+    """Predicted steady-state step time and peak memory of one plan (`layer_accs`, `outer_acc`:
+    grads of host units accumulated on the GPU over the rounds, sent to the host once a step)."""
     scale = micro_batch / costs.micro_batch
     layers, outer = costs.layers, costs.outer
     c = dt.c
@@ -172,16 +193,23 @@ def predict(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, layer_modes, l
     units = [outer] + list(layers)
     modes = [outer_mode] + list(layer_modes)
     acts = ["keep"] + list(layer_acts)
+    accs = effective_accs(modes, [outer_acc] + list(layer_accs or [False] * len(layers)), rounds)
     times = [unit_times(u, prof, scale, fudge) for u in units]
     g = DTYPE_BYTES[dt.grad]
     # CPU work per host unit: the fused AdamW, the new compute copy when master != compute dtype
     # (a read+write pass at the measured host memcpy rate), and for rounds > 1 one accumulate
-    # pass per micro-batch plus the grad-norm pass
+    # pass per micro-batch plus the grad-norm pass (none when the unit accumulates on the GPU)
     conv = dt.master_extra and (dt.master_extra + c)
     cpu_t = [u.numel / cpu_rate + u.numel * conv / memcpy if m != "gpu" else 0.0 for u, m in zip(units, modes)]
-    acc_t = [(rounds * u.numel * (c + g) + u.numel * g) / memcpy if m != "gpu" and rounds > 1 else 0.0
-             for u, m in zip(units, modes)]
-    grad_wire = g if rounds == 1 else c  # bytes per param crossing D2H
+    acc_t = [(rounds * u.numel * (c + g) + u.numel * g) / memcpy if m != "gpu" and rounds > 1 and not a else 0.0
+             for u, m, a in zip(units, modes, accs)]
+    # GPU accumulation: one add per round into a separate accumulator (read grad and accumulator,
+    # write accumulator) on the compute stream
+    add_t = [u.numel * (c + 2 * g) / (prof.hbm_gbps * 1e9) if a and gpu_acc_extra(m, dt) else 0.0
+             for u, m, a in zip(units, modes, accs)]
+    # bytes per param crossing D2H and in which rounds: grad dtype once a step when converted on
+    # the GPU (one round) or accumulated there; otherwise compute dtype every round
+    wire = [g if rounds == 1 or a else c for a in accs]
     n = len(layers)
     total = 0.0
     h2d_bytes = d2h_bytes = 0
@@ -201,10 +229,11 @@ def predict(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, layer_modes, l
             # streamed layers still in a slot after the forward (the last depth+1) are not refetched
             refetch = m == "stream" and k >= 1 and (k - 1) < n - (depth + 1)
             b = u.numel * c if refetch else 0
-            d = u.numel * grad_wire if m != "gpu" else 0
+            sends = m != "gpu" and (not accs[k] or r == rounds - 1)
+            d = u.numel * wire[k] if sends else 0
             h2d_bytes += b
             d2h_bytes += d
-            ct = times[k][1] + (times[k][0] if acts[k] == "recompute" else 0.0)
+            ct = times[k][1] + (times[k][0] if acts[k] == "recompute" else 0.0) + add_t[k]
             compute += ct
             bw.append((0.0, b / h2d_bwd, ct, d / d2h_bwd))
         total += _flow(bw, depth)
@@ -212,7 +241,7 @@ def predict(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, layer_modes, l
     total += gpu_params / (prof.gpu_adam_gparams * 1e9)
 
     # memory
-    static = static_gpu_bytes(units, modes, dt, depth, rounds)
+    static = static_gpu_bytes(units, modes, dt, depth, rounds, accs)
     mem = sum(static.values())
     act = sum(scale * (u.act_keep_bytes if a == "keep" else u.act_recompute_bytes) for u, a in zip(layers, layer_acts))
     act += scale * outer.act_keep_bytes
@@ -227,8 +256,8 @@ def predict(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, layer_modes, l
     trans.append(outer.numel * c)
     mem += int(act + max(trans)) + RUNTIME_OVERHEAD_BYTES
     host = pinned = 0
-    for u, m in zip(units, modes):
-        h, p = unit_host_bytes(u, m, dt, rounds)
+    for u, m, a in zip(units, modes, accs):
+        h, p = unit_host_bytes(u, m, dt, rounds, a)
         host += h
         pinned += p
     useful = rounds * sum(scale * (u.fwd_gemm_flops + u.bwd_gemm_flops + u.fwd_attn_flops + u.bwd_attn_flops) for u in units)

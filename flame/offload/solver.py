@@ -17,7 +17,7 @@ import json
 from dataclasses import asdict, dataclass, field
 
 from flame.errors import ConfigError
-from flame.offload.cost_model import Dtypes, Prediction, predict
+from flame.offload.cost_model import Dtypes, Prediction, effective_accs, predict
 from flame.offload.costs import ModelCosts
 from flame.offload.profile import HardwareProfile
 
@@ -39,10 +39,18 @@ class Plan:
     host_budget_bytes: int
     predicted: dict = field(default_factory=dict)
     binding: str = ""
+    layer_gpu_acc: list[bool] = field(default_factory=list)
+    """Per block: with rounds > 1, a host block's grads accumulate in a GPU buffer over the rounds
+    and go to the host once a step (else every round, added on the CPU). Missing: host."""
+    outer_gpu_acc: bool = False
 
     @property
     def offloads(self) -> bool:
         return self.outer_mode != "gpu" or any(m != "gpu" for m in self.layer_modes)
+
+    def unit_accs(self) -> list[bool]:
+        """GPU grad accumulation of every unit, outer first, as the engine runs it."""
+        return effective_accs([self.outer_mode] + self.layer_modes, [self.outer_gpu_acc] + self.layer_gpu_acc, self.rounds)
 
     def save(self, path: str) -> None:
         with open(path, "w") as f:
@@ -135,34 +143,40 @@ def solve(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, gpu_budget: int,
     min_gpu = min_host = None
     splits = [(g, h, n - g - h) for g in range(n + 1) for h in range(n + 1 - g)] if allow_offload else [(n, 0, 0)]
     for g, h, s in splits:
-        base_modes = spread(n, {"gpu": g, "host_opt": h, "stream": s})
+        base_modes, _ = _apply(spread(n, {"gpu": g, "host_opt": h, "stream": s}), ["keep"] * n, ov)
         for outer in outers:
             for depth in depths if s else depths[:1]:
-                # fewest recomputed blocks that fit: bisect over k (memory falls as k grows)
-                def at(k):
-                    acts = spread(n, {"recompute": k, "keep": n - k})
-                    modes, acts = _apply(list(base_modes), acts, ov)
-                    return modes, acts, predict(costs, prof, dt, modes, acts, outer, depth, micro_batch, rounds, cpu_threads, fudge)
+                for acc_group in _acc_options(base_modes, outer, rounds):
+                    for outer_acc, accs in acc_group:  # GPU memory grows along a group
+                        # fewest recomputed blocks that fit: bisect over k (memory falls as k grows)
+                        def at(k):
+                            acts = spread(n, {"recompute": k, "keep": n - k})
+                            modes, acts = _apply(list(base_modes), acts, ov)
+                            return modes, acts, predict(costs, prof, dt, modes, acts, outer, depth, micro_batch, rounds,
+                                                        cpu_threads, fudge, accs, outer_acc)
 
-                lo, hi = 0, n
-                m_hi = at(hi)
-                pg, ph = m_hi[2].gpu_bytes, m_hi[2].host_bytes
-                min_gpu = pg if min_gpu is None else min(min_gpu, pg)
-                if pg <= gpu_budget:
-                    min_host = ph if min_host is None else min(min_host, ph)
-                if pg > gpu_budget or ph > host_budget:
-                    continue
-                while lo < hi:
-                    mid = (lo + hi) // 2
-                    if at(mid)[2].gpu_bytes <= gpu_budget:
-                        hi = mid
-                    else:
-                        lo = mid + 1
-                modes, acts, p = at(lo)
-                if best is None or p.step_s < best[0] - 1e-12:
-                    plan = Plan(modes, acts, outer, depth, micro_batch, costs.seq_len, rounds, cpu_threads, asdict(dt),
-                                gpu_budget, host_budget, _pred_dict(p, costs, micro_batch, rounds, prof))
-                    best = (p.step_s, plan)
+                        lo, hi = 0, n
+                        m_hi = at(hi)
+                        pg, ph = m_hi[2].gpu_bytes, m_hi[2].host_bytes
+                        min_gpu = pg if min_gpu is None else min(min_gpu, pg)
+                        if pg <= gpu_budget:
+                            min_host = ph if min_host is None else min(min_host, ph)
+                        if pg > gpu_budget:
+                            break  # more accumulators only need more
+                        if ph > host_budget:
+                            continue  # more accumulators need less host memory
+                        while lo < hi:
+                            mid = (lo + hi) // 2
+                            if at(mid)[2].gpu_bytes <= gpu_budget:
+                                hi = mid
+                            else:
+                                lo = mid + 1
+                        modes, acts, p = at(lo)
+                        if best is None or p.step_s < best[0] - 1e-12:
+                            plan = Plan(modes, acts, outer, depth, micro_batch, costs.seq_len, rounds, cpu_threads,
+                                        asdict(dt), gpu_budget, host_budget, _pred_dict(p, costs, micro_batch, rounds, prof),
+                                        layer_gpu_acc=accs, outer_gpu_acc=outer_acc)
+                            best = (p.step_s, plan)
     if best is None:
         if min_gpu is None or min_gpu > gpu_budget:
             raise ConfigError(f"offload: needs {min_gpu / GiB:.1f} GiB GPU, budget {gpu_budget / GiB:.1f} "
@@ -171,6 +185,27 @@ def solve(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, gpu_budget: int,
     plan = best[1]
     plan.binding = _binding(plan, prof)
     return plan
+
+
+def _acc_options(modes: list[str], outer: str, rounds: int) -> list[list[tuple[bool, list[bool]]]]:
+    """GPU grad accumulation choices (outer, per block), in groups of growing GPU memory: with and
+    without the outer, for a fixed ladder of counts of host blocks (spread evenly). A fixed set,
+    so that a larger budget never loses an option (monotone plans)."""
+    host = [i for i, m in enumerate(modes) if m != "gpu"]
+    if rounds == 1 or (not host and outer == "gpu"):
+        return [[(False, [])]]
+    step = max(1, -(-len(host) // 8))
+    counts = sorted(set(range(0, len(host), step)) | {len(host)})
+    groups = []
+    for outer_acc in (False, True) if outer != "gpu" else (False,):
+        group = []
+        for a in counts:
+            accs = [False] * len(modes)
+            for i, label in zip(host, spread(len(host), {"acc": a, "host": len(host) - a}) if host else []):
+                accs[i] = label == "acc"
+            group.append((outer_acc, accs))
+        groups.append(group)
+    return groups
 
 
 def _pred_dict(p: Prediction, costs: ModelCosts, micro_batch: int, rounds: int, prof: HardwareProfile) -> dict:
@@ -201,21 +236,25 @@ def _binding(plan: Plan, prof: HardwareProfile) -> str:
 def describe(plan: Plan, costs: ModelCosts) -> str:
     """Human-readable plan: one line per run of equal block decisions, then the prediction."""
     pr = plan.predicted
+    accs = plan.unit_accs()
     lines = [f"offload plan: {len(plan.layer_modes)} blocks ({costs.layer_class}), micro-batch {plan.micro_batch}x{plan.seq_len}, "
              f"{plan.rounds} round(s)/step, prefetch depth {plan.prefetch_depth}, CPU threads {plan.cpu_threads}",
              f"  dtypes: {plan.dtypes}",
-             f"  outer (embeddings/norm/head, {costs.outer.numel / 1e6:.0f}M params): {plan.outer_mode}"]
+             f"  outer (embeddings/norm/head, {costs.outer.numel / 1e6:.0f}M params): {plan.outer_mode}"
+             + ("; grads accumulated on GPU" if accs[0] else "")]
     names = {"gpu": "weights+grads+AdamW on GPU", "host_opt": "weights on GPU, grads->host, CPU AdamW",
              "stream": "weights streamed from pinned host, grads->host, CPU AdamW"}
+    key = list(zip(plan.layer_modes, plan.layer_acts, accs[1:]))
     i, n = 0, len(plan.layer_modes)
     while i < n:
         j = i
-        while j + 1 < n and (plan.layer_modes[j + 1], plan.layer_acts[j + 1]) == (plan.layer_modes[i], plan.layer_acts[i]):
+        while j + 1 < n and key[j + 1] == key[i]:
             j += 1
-        lines.append(f"  blocks {i}-{j}: {names[plan.layer_modes[i]]}; activations {plan.layer_acts[i]}")
+        acc = "; grads accumulated on GPU (->host once a step)" if accs[i + 1] else ""
+        lines.append(f"  blocks {i}-{j}: {names[plan.layer_modes[i]]}; activations {plan.layer_acts[i]}{acc}")
         i = j + 1
     c = {m: plan.layer_modes.count(m) for m in ("gpu", "host_opt", "stream")}
-    lines.append(f"  counts: {c}, recomputed {plan.layer_acts.count('recompute')}")
+    lines.append(f"  counts: {c}, recomputed {plan.layer_acts.count('recompute')}, GPU grad accumulators {sum(accs[1:])}")
     lines.append(f"  predicted step {pr['step_s'] * 1e3:.1f} ms, {pr['tokens_per_s']:.0f} tokens/s, MFU {100 * pr['mfu']:.1f}% "
                  f"({pr['useful_tflops']:.0f} TFLOP/s useful)")
     lines.append(f"  peak GPU {pr['peak_gpu_bytes'] / GiB:.2f} GiB of {plan.gpu_budget_bytes / GiB:.2f}; host "

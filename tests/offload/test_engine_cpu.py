@@ -21,8 +21,8 @@ def tiny(seed=0, tie=False):
     return LlamaForCausalLM(cfg).float()
 
 
-def plan(modes, acts, outer, rounds=1, depth=1, dtypes=F32):
-    return Plan(modes, acts, outer, depth, 2, 16, rounds, 1, dict(dtypes), 0, 0)
+def plan(modes, acts, outer, rounds=1, depth=1, dtypes=F32, accs=(), outer_acc=False):
+    return Plan(modes, acts, outer, depth, 2, 16, rounds, 1, dict(dtypes), 0, 0, layer_gpu_acc=list(accs), outer_gpu_acc=outer_acc)
 
 
 def loss_of(model, ids):
@@ -56,6 +56,7 @@ def run_engine(model, p, batches, rounds, max_norm, lr=1e-2, **kw):
             l.backward()
             tot += l.item()
         eng.optimizer_step(max_norm, True)
+        eng.zero_grad()  # as the trainer does after every step
         out.append(tot)
     eng.synchronize()
     return out, eng
@@ -66,13 +67,19 @@ def batches(n, rounds, seed=1):
     return [[torch.randint(0, 96, (2, 16), generator=g) for _ in range(rounds)] for _ in range(n)]
 
 
-@pytest.mark.parametrize("rounds,tie", [(1, False), (2, True)])
-def test_engine_matches_plain_run(rounds, tie):
+@pytest.mark.parametrize("rounds,tie,accs,outer_acc", [(1, False, (), False), (2, True, (), False),
+                                                      (2, False, (True, True, True, True), True),
+                                                      (3, True, (False, True, False, True), False),
+                                                      (3, False, (False, False, True, False), True)])
+def test_engine_matches_plain_run(rounds, tie, accs, outer_acc):
+    """Host units accumulating their grads on the host or on the GPU over the rounds of a step:
+    the numbers of a plain run (clipping by the global norm included)."""
     ref = tiny(tie=tie)
     mod = copy.deepcopy(ref)
     b = batches(5, rounds)
     want = run_ref(ref, b, rounds, max_norm=0.5)
-    p = plan(["gpu", "host_opt", "stream", "stream"], ["keep", "recompute", "keep", "recompute"], "host_opt", rounds)
+    p = plan(["gpu", "host_opt", "stream", "stream"], ["keep", "recompute", "keep", "recompute"], "host_opt", rounds,
+             accs=accs, outer_acc=outer_acc)
     got, eng = run_engine(mod, p, b, rounds, max_norm=0.5)
     assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
     sd = eng.model_state_dict()
@@ -235,3 +242,60 @@ def test_dropped_engine_frees_model_and_buffers():
         del eng, mod
         gc.collect()
         assert all(r() is None for r in refs)
+
+
+MIXED = {"compute": "bfloat16", "master": "float32", "grad": "float32", "moment": "float32"}
+
+
+@pytest.mark.parametrize("grad", ["float32", "bfloat16"])
+def test_gpu_grad_accumulation_same_as_host_accumulation(grad):
+    """bf16 compute: accumulating on the GPU (a separate fp32 accumulator, or with bf16 grads the
+    host_opt unit's own grad buffer) gives the host accumulation's numbers."""
+    dt = dict(MIXED, grad=grad)
+    b = batches(3, 3, seed=7)
+    modes, acts = ["stream", "host_opt", "gpu", "stream"], ["recompute", "keep", "keep", "keep"]
+    host, _ = run_engine(tiny(seed=8), plan(modes, acts, "host_opt", 3, dtypes=dt), b, 3, max_norm=0.5)
+    gpu, eng = run_engine(tiny(seed=8), plan(modes, acts, "host_opt", 3, dtypes=dt, accs=[True] * 4, outer_acc=True), b, 3,
+                          max_norm=0.5)
+    assert gpu == pytest.approx(host, rel=1e-3)
+    assert (eng.units[2].gacc_dev is eng.units[2].g) == (grad == "bfloat16")
+    assert [u.gpu_acc for u in eng.units] == [True, True, True, False, True]  # the gpu block accumulates anyway
+
+
+def test_gpu_accumulation_fewer_rounds_than_planned_and_too_many():
+    """A step with fewer micro-batches than the plan sends what it has at optimizer_step; more
+    than planned is an error (the sum already left)."""
+    ref = tiny(seed=2)
+    mod = copy.deepcopy(ref)
+    b = batches(3, 2, seed=3)
+    want = run_ref(ref, b, 2, max_norm=0.5)
+    p = plan(["stream", "host_opt", "stream", "gpu"], ["keep"] * 4, "host_opt", 3, accs=[True] * 4, outer_acc=True)
+    got, eng = run_engine(mod, p, b, 2, max_norm=0.5)
+    assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+    with pytest.raises(RuntimeError, match="3 micro-batch"):
+        for ids in batches(1, 4, seed=4)[0]:
+            loss_of(mod, ids).backward()
+
+
+def test_skipped_step_with_gpu_accumulation_then_resumes():
+    """A NaN step is skipped (weights and moments untouched) and the next steps are those of a
+    plain run that never saw it."""
+    ref = tiny(seed=4)
+    mod = copy.deepcopy(ref)
+    b = batches(3, 2, seed=5)
+    want = run_ref(ref, [b[0], b[2]], 2, max_norm=0.5)
+    eng = OffloadEngine(mod, plan(["stream", "host_opt", "stream", "gpu"], ["keep"] * 4, "host_opt", 2, accs=[True] * 4,
+                                  outer_acc=True), torch.device("cpu"), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    got = []
+    for i, step in enumerate(b):
+        tot = 0.0
+        for ids in step:
+            l = loss_of(mod, ids) / 2 * (float("nan") if i == 1 else 1.0)
+            l.backward()
+            tot += l.item()
+        _, skipped = eng.optimizer_step(0.5, True)
+        eng.zero_grad()
+        assert skipped == (i == 1)
+        if not skipped:
+            got.append(tot)
+    assert got == pytest.approx(want, rel=1e-5, abs=1e-6)

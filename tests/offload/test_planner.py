@@ -87,13 +87,14 @@ def test_predict_by_hand():
     assert pr.h2d_bytes == 2e9 and pr.d2h_bytes == 4e9
 
 
-def test_budgets_respected_and_monotone(costs):
+@pytest.mark.parametrize("rounds", [1, 4])
+def test_budgets_respected_and_monotone(costs, rounds):
     p = prof()
     host = 64 * GiB
     last = None
     for gib in (2, 3, 4, 6, 8, 12, 16, 24, 48):
         try:
-            plan = solve(costs, p, Dtypes(), gib * GiB, host, 2, 1, 15, depths=(1, 2))
+            plan = solve(costs, p, Dtypes(), gib * GiB, host, 2, rounds, 15, depths=(1, 2))
         except ConfigError:
             assert last is None  # only the smallest budgets may be infeasible
             continue
@@ -155,3 +156,43 @@ def test_cli_infeasible_exits_nonzero(tmp_path, capsys):
     assert "needs" in capsys.readouterr().err
     assert cli.main(args[:-2] + ["--offload.host_memory_gib", "8", "--offload.gpu_memory_gib", "1"]) == 0
     assert "predicted step" in capsys.readouterr().out
+
+
+def test_gpu_grad_accumulation_in_model_and_solver(costs):
+    """With rounds > 1 a host unit's GPU accumulator costs numel * grad bytes of GPU memory (none
+    for a host_opt unit whose grads are already in grad dtype), removes its per-round D2H and CPU
+    adds, and the solver takes it when the budget allows."""
+    p, dt, n = prof(), Dtypes(), len(costs.layers)
+    modes, acts = ["stream"] * (n - 1) + ["host_opt"], ["recompute"] * n
+    off = predict(costs, p, dt, modes, acts, "host_opt", 1, 2, 4, 15)
+    on = predict(costs, p, dt, modes, acts, "host_opt", 1, 2, 4, 15, layer_accs=[True] * n, outer_acc=True)
+    numel = sum(u.numel for u in costs.units)
+    assert on.gpu_bytes - off.gpu_bytes == 4 * numel
+    assert on.static_gpu["grad_acc"] == 4 * numel
+    assert on.d2h_bytes == 4 * numel and off.d2h_bytes == 4 * 2 * numel  # fp32 once vs bf16 every round
+    assert on.step_s < off.step_s and on.host_bytes < off.host_bytes
+    bf = Dtypes("bfloat16", "float32", "bfloat16", "float32")
+    one = UnitCosts("b", "layer", 1000, {}, 0, 0, 0, 0, 0)
+    assert unit_gpu_bytes(one, "host_opt", bf, gpu_acc=True) == unit_gpu_bytes(one, "host_opt", bf)
+    assert unit_gpu_bytes(one, "stream", bf, gpu_acc=True) == 2000
+    # one round: nothing to accumulate, the flag changes nothing
+    assert predict(costs, p, dt, modes, acts, "host_opt", 1, 2, 1, 15, layer_accs=[True] * n) == \
+        predict(costs, p, dt, modes, acts, "host_opt", 1, 2, 1, 15)
+    plan = solve(costs, p, dt, 40 * GiB, 64 * GiB, 2, 4, 15, overrides=["weights[*]=host", "outer=host_opt"])
+    assert all(plan.layer_gpu_acc) and plan.outer_gpu_acc and "grads accumulated on GPU" in describe(plan, costs)
+    tight = solve(costs, p, dt, 3 * GiB, 64 * GiB, 2, 4, 15, overrides=["weights[*]=host", "outer=host_opt"])
+    assert tight.predicted["step_s"] >= plan.predicted["step_s"]
+
+
+def test_plan_file_with_accumulators_and_old_files(costs, tmp_path):
+    import json
+
+    plan = solve(costs, prof(), Dtypes(), 40 * GiB, 64 * GiB, 2, 4, 15, overrides=["weights[*]=host"])
+    plan.save(tmp_path / "p.json")
+    assert Plan.load(tmp_path / "p.json") == plan and any(plan.layer_gpu_acc)
+    # a plan file written before the accumulator fields existed: every host unit accumulates on the host
+    d = json.loads((tmp_path / "p.json").read_text())
+    del d["layer_gpu_acc"], d["outer_gpu_acc"]
+    (tmp_path / "old.json").write_text(json.dumps(d))
+    old = Plan.load(tmp_path / "old.json")
+    assert old.unit_accs() == [False] * (len(costs.layers) + 1)

@@ -31,6 +31,8 @@ from flame.offload.costs import find_blocks
 from flame.offload.runtime.streams import PIN_PIECE_BYTES, Streams, piece_ranges, register_pinned, unregister_pinned
 from flame.offload.solver import Plan
 
+TOO_MANY_ROUNDS = ("offload: the plan has {} micro-batch(es) per step but the trainer ran more; "
+                   "plan with the trainer's training.global_batch_size")
 CONV_CHUNK = 1 << 25  # elements per GPU conversion chunk (128 MiB in fp32)
 DT = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -60,6 +62,9 @@ class Unit:
         self.count = 0
         self.flushed = False
         self.needs_h2d = False
+        self.gpu_acc = False  # grads accumulated on the GPU over the rounds (host units, rounds > 1)
+        self.gacc_dev = None
+        self.sent = False  # this step's accumulated grads went to the host
 
     def bind(self, flat: torch.Tensor, grad: bool = False) -> None:
         for (_, p), o in zip(self.params, self.offsets):
@@ -97,6 +102,7 @@ class OffloadEngine:
         self.direct = plan.rounds == 1
         self.depth = plan.prefetch_depth
         self.round = 0
+        self._clean = True  # no grads since the last step: zero_grad has nothing to do
         self.use_counter = 0
         self.pinned_ptrs: list[int] = []
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-cpu")
@@ -117,6 +123,8 @@ class OffloadEngine:
             units.append(Unit(i + 1, f"{blocks_name}.{i}", ps, plan.layer_modes[i], plan.layer_acts[i]))
         outer = [(fqn_of[id(p)][0], p) for p in model.parameters() if id(p) not in block_ids]
         self.units = [Unit(0, "outer", outer, plan.outer_mode, "keep")] + units
+        for u, acc in zip(self.units, plan.unit_accs()):
+            u.gpu_acc = acc
         for u in self.units:
             u.decay = [(o, p.numel()) for (fqn, p), o in zip(u.params, u.offsets) if fqn not in self.no_decay]
         for mod in model.modules():  # buffers (rotary tables, ...) live on the compute device
@@ -177,9 +185,9 @@ class OffloadEngine:
             # with master dtype == compute dtype the master is the pinned copy the GPU streams
             # from: the CPU step waits for the last H2D read of it before writing (_cpu_step)
             u.w_host = master.to(self.cdt) if self.mdt != self.cdt else master
-            if self.direct:
-                # one micro-batch per step: grads arrive on the host already in grad dtype
-                # (converted on the GPU), straight into the accumulator the CPU AdamW reads
+            if self.direct or u.gpu_acc:
+                # grads arrive on the host once a step already in grad dtype (converted or
+                # accumulated on the GPU), straight into the accumulator the CPU AdamW reads
                 u.g_stage = torch.zeros(u.numel, dtype=self.gdt)
                 u.gacc = u.g_stage
             else:
@@ -192,6 +200,9 @@ class OffloadEngine:
         u.g = torch.zeros(u.numel, dtype=self.cdt, device=dev) if u.mode != "stream" else None
         if u.mode == "gpu":
             u.gacc = u.g if self.gdt == self.cdt else torch.zeros(u.numel, dtype=self.gdt, device=dev)
+        if u.gpu_acc:  # a host_opt unit with grads in grad dtype accumulates in its grad buffer
+            same = u.mode == "host_opt" and self.gdt == self.cdt
+            u.gacc_dev = u.g if same else torch.zeros(u.numel, dtype=self.gdt, device=dev)
         u.opt = torch.optim.AdamW([u.master], lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=0.0, fused=True)
         # stream: parameters point at a slot (nothing meaningful) until fetched
         u.bind(u.w if u.w is not None else self.slots[0].buf[: u.numel])
@@ -355,6 +366,7 @@ class OffloadEngine:
         return hook
 
     def _grad_arrived(self, u: Unit) -> None:
+        self._clean = False
         u.count += 1
         if u.count == len(u.params):
             self._grads_ready(u)
@@ -370,7 +382,6 @@ class OffloadEngine:
         if u.flushed:
             return
         u.flushed = True
-        last = self.round == self.rounds - 1
         if u.mode == "gpu":
             if u.gacc is not u.g:
                 u.gacc.add_(u.g)
@@ -378,12 +389,14 @@ class OffloadEngine:
             return
         if u.mode == "stream":
             self._release(u)
-        if last and self.rounds == 1:
+        if self.direct and self.round > 0:
+            raise RuntimeError(TOO_MANY_ROUNDS.format(self.rounds))
+        if u.gpu_acc:
+            self._acc_on_gpu(u)
+            return
+        if self.direct:
             # the norm of the full grad, computed on the GPU while the copy runs
             self.gpu_sq += torch.linalg.vector_norm(u.g, dtype=torch.float32).square()
-        if self.direct and self.round > 0:
-            raise RuntimeError("offload: the plan has 1 micro-batch per step but the trainer ran more; "
-                               "plan with the trainer's training.global_batch_size")
         u.stage_free.wait()
         u.stage_free.clear()
         cur = self.s.current()
@@ -422,6 +435,39 @@ class OffloadEngine:
 
         self.pool.submit(accumulate)
 
+    def _acc_on_gpu(self, u: Unit) -> None:
+        """Add this micro-batch's grads into the unit's GPU accumulator; after the plan's last
+        round send the sum to the host: one D2H a step instead of one a round, no CPU adds."""
+        if u.sent:
+            raise RuntimeError(TOO_MANY_ROUNDS.format(self.rounds))
+        if u.gacc_dev is not u.g:
+            if self.round == 0:  # overwrite: nothing to zero between steps
+                self.s.wait(self.s.current(), u.g_free)  # once the last step's D2H has read it
+                u.gacc_dev.copy_(u.g)
+            else:
+                u.gacc_dev.add_(u.g)
+            if u.mode == "host_opt":
+                u.g.zero_()  # autograd adds the next round's grads into it
+            else:
+                u.gslot.free = self.s.record()  # the grad slot is free once the add has run
+        if self.round == self.rounds - 1:
+            self._send_acc(u)
+
+    def _send_acc(self, u: Unit) -> None:
+        """The accumulated grads D2H into the pinned buffer the CPU AdamW reads; their squared
+        norm computed on the GPU meanwhile (as with one round)."""
+        u.sent = True
+        self.gpu_sq += torch.linalg.vector_norm(u.gacc_dev, dtype=torch.float32).square()
+        cur = self.s.current()
+        with self.s.on(self.s.d2h):
+            if self.cuda:
+                self.s.d2h.wait_stream(cur)
+            self._xfer(u.g_stage, 0, u.numel, u.gacc_dev, to_host=True)
+            if u.gacc_dev is u.g:  # accumulated in its grad buffer: empty it for the next step
+                u.g.zero_()
+            u.d2h_done = self.s.record(self.s.d2h)
+        u.g_free = u.d2h_done
+
     # ------------------------------------------------------------------ saved tensors
     def _pack(self, t: torch.Tensor):
         if self.slot_ptrs and t.device.type == self.device.type:
@@ -450,25 +496,26 @@ class OffloadEngine:
         writing its new compute copy into the pinned buffer; the next forward waits per unit."""
         if lr is not None:
             self.lr = lr
-        rounds_seen = self.round
+        for u in self.units:  # fewer micro-batches than planned: send what was accumulated
+            if u.gpu_acc and not u.sent and self.round > 0:
+                self._send_acc(u)
         self._wait_cpu()  # all accumulations queued by the backward are done (they wait on D2H events)
-        sq = self.gpu_sq.clone()
+        sq = self.gpu_sq.clone()  # the norms taken on the GPU as grads left for the host
         gpu_units = [u for u in self.units if u.mode == "gpu"]
         host_units = [u for u in self.units if u.mode != "gpu"]
         if gpu_units:
-            norms = torch._foreach_norm([u.gacc for u in gpu_units], 2, dtype=torch.float32) if hasattr(torch, "_foreach_norm") else None
+            norms = torch._foreach_norm([u.gacc for u in gpu_units], 2, dtype=torch.float32)
             sq = sq + torch.stack([x.float() for x in norms]).square().sum()
-        cpu_sq = 0.0
-        if rounds_seen != 1 or self.rounds != 1:
-            cpu_sq = sum(float(torch.linalg.vector_norm(u.gacc, dtype=torch.float32) ** 2) for u in host_units)
-            sq = sq - self.gpu_sq  # the GPU partial norms only hold for a single round
+        # units accumulated on the host: the norm of the sum, on the CPU
+        cpu_sq = sum(float(torch.linalg.vector_norm(u.gacc, dtype=torch.float32) ** 2)
+                     for u in host_units if not (self.direct or u.gpu_acc))
         v = float(sq.item()) + cpu_sq  # the one host sync of the step
         total = math.sqrt(v) if math.isfinite(v) and v > 0 else (v if not math.isfinite(v) else 0.0)
         self.gpu_sq.zero_()
         self.round = 0
         skipped = skip_nan_inf and not math.isfinite(total)
         if skipped:
-            self.zero_grad()
+            self._zero_all()
             return torch.tensor(total), True
         coef = min(1.0, max_norm / (total + 1e-6)) if max_norm and max_norm > 0 else 1.0
         for u in gpu_units:
@@ -485,12 +532,14 @@ class OffloadEngine:
             if u.gacc is not u.g:
                 u.gacc.zero_()
         for u in host_units:
+            u.sent = False
             u.cpu_done.clear()
             u.needs_h2d = u.mode == "host_opt"
             if u.slot is not None:  # the slot holds the old weights: the next forward refetches
                 u.slot.owner, u.slot = None, None
             src_done = getattr(u, "h2d_src_done", None)
             self.pool.submit(self._cpu_step, u, coef, self.lr, src_done)
+        self._clean = True
         return torch.tensor(total), False
 
     def _decay(self, u: Unit, lr: float) -> None:
@@ -519,13 +568,23 @@ class OffloadEngine:
             u.cpu_done.set()
 
     def zero_grad(self) -> None:
+        """Nothing to do right after optimizer_step (the next step's first round overwrites every
+        accumulator): the trainer's call after each step must not wait for the CPU optimizer."""
+        if not self._clean:
+            self._zero_all()
+
+    def _zero_all(self) -> None:
         self._wait_cpu()
+        if self.cuda:  # no copy may still read or write the buffers zeroed here
+            torch.cuda.synchronize()
         for u in self.units:
-            if u.g is not None and u.mode != "stream":
-                u.g.zero_()
-            u.gacc.zero_()
+            for t in (u.g if u.mode != "stream" else None, u.gacc, u.gacc_dev):
+                if t is not None:
+                    t.zero_()
+            u.sent = False
         self.gpu_sq.zero_()
         self.round = 0
+        self._clean = True
 
     def synchronize(self) -> None:
         """Wait for the CPU optimizer and all copies (before checkpointing or evaluation)."""
@@ -647,10 +706,10 @@ class OffloadEngine:
                 rep[cat] += t.untyped_storage().nbytes()
 
         for u in self.units:
-            if u.mode == "stream":
-                continue
-            add("compute", u.w)
-            add("grads", u.g)
+            if u.mode != "stream":
+                add("compute", u.w)
+                add("grads", u.g)
+            add("grad_acc", u.gacc_dev)  # host units accumulating on the GPU
             if u.mode == "gpu":  # host units keep these on the host
                 add("grad_acc", u.gacc)
                 add("master", u.master.data)
