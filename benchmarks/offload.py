@@ -4,9 +4,13 @@
     fp32 master + autocast bf16, fused GPU AdamW) vs FSDP2 CPUOffloadPolicy (world 1);
 (b) 8B Llama-shaped model with bf16 states at a 24 GiB cap: useful TFLOP/s vs the measured
     bf16 GEMM ceiling;
-(c) predicted vs measured step time and peak GPU memory of every engine run.
+(c) predicted vs measured step time and peak GPU memory of every engine run, with the engine's
+    memory split into static (its own buffers: memory_report) and what a step adds on top.
+(a) runs several micro-batches per optimizer step (--a_rounds, same tokens/step in every row).
+Every row runs in its own process (a row's memory cannot OOM the next one) under a wall cap, so
+the whole script fits one device call.
 All models: activation checkpointing where the baseline needs it to fit, seq 4096/8192.
-Usage: python benchmarks/offload.py OUT_DIR [--sections a,b] [--steps 3]
+Usage: python benchmarks/offload.py OUT_DIR [--sections a,b] [--steps 3] [--a_rounds 8] [--budget_s 520]
 """
 
 from __future__ import annotations
@@ -207,60 +211,110 @@ def run_engine(cfg, prof, dt, cap_gib, mb, seq, rounds, steps, model_dtype):
     return out
 
 
+# (a): 3B at 8 micro-batches of 1x4096 tokens per optimizer step for all three rows (a realistic
+# step: 32k tokens); (b): 8B, one 1x8192 micro-batch. Per-row wall caps (s): a row gets
+# min(cap, what is left of --budget_s) and is killed past it, so the script fits one device call.
+A_MB, A_SEQ = 1, 4096
+ROWS = {
+    "a_offload_16GiB": 170,
+    "a_resident": 90,
+    "a_fsdp2_cpu_offload": 130,
+    "b_8B_bf16_24GiB": 170,
+}
+
+
+def run_row(name: str, args) -> dict:
+    """One row, in this (child) process."""
+    from flame.offload.profile import load
+
+    prof = load(os.path.join(args.out, "profile.json"))
+    fp32, bf16 = Dtypes(), Dtypes("bfloat16", "bfloat16", "bfloat16", "bfloat16")
+    r = args.a_rounds
+    if name == "a_offload_16GiB":
+        return run_engine(llama("3B"), prof, fp32, 16, A_MB, A_SEQ, r, args.steps, torch.float32)
+    if name == "a_resident":
+        return run_resident(llama("3B"), A_MB, A_SEQ, r, args.steps)
+    if name == "a_fsdp2_cpu_offload":
+        return run_fsdp2_offload(llama("3B"), A_MB, A_SEQ, r, 1)
+    if name == "b_8B_bf16_24GiB":
+        return run_engine(llama("8B"), prof, bf16, 24, 1, 8192, 1, args.steps, torch.bfloat16)
+    raise ValueError(name)
+
+
+def child(args) -> None:
+    t = time.perf_counter()
+    try:
+        out = run_row(args.child, args)
+    except Exception as e:
+        out = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-3000:]}
+    out["wall_s"] = time.perf_counter() - t
+    with open(args.child_out, "w") as f:
+        json.dump(out, f, indent=1)
+
+
+def spawn(name: str, args, timeout: float) -> dict:
+    """Run one row in its own process: no memory one row leaves (or leaks) can OOM another."""
+    import subprocess
+
+    path = os.path.join(args.out, f"row_{name}.json")
+    if os.path.exists(path):
+        os.remove(path)
+    cmd = [sys.executable, os.path.abspath(__file__), args.out, "--child", name, "--child_out", path,
+           "--steps", str(args.steps), "--a_rounds", str(args.a_rounds)]
+    t = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"skipped": f"killed after {timeout:.0f} s (time budget)"}
+    if not os.path.exists(path):
+        return {"error": f"row process exited {proc.returncode} without a result", "wall_s": time.perf_counter() - t}
+    with open(path) as f:
+        return json.load(f)
+
+
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("out")
-    ap.add_argument("--sections", default="a,b")
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--budget_s", type=float, default=400)
+    ap = argparse.ArgumentParser(description="Offload benchmark: every row in its own process; "
+                                 "writes OUT/offload.json and OUT/offload.md.")
+    ap.add_argument("out", help="output folder")
+    ap.add_argument("--sections", default="a,b", help="a (3B: engine, resident, FSDP2 offload), b (8B bf16 engine)")
+    ap.add_argument("--steps", type=int, default=3, help="timed optimizer steps per engine/resident row")
+    ap.add_argument("--a_rounds", type=int, default=8, help="micro-batches of 1x4096 tokens per step in (a)")
+    ap.add_argument("--budget_s", type=float, default=520, help="wall budget of the whole script (rows are capped)")
+    ap.add_argument("--child", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--child_out", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
+    if args.child:
+        child(args)
+        return
     t_start = time.perf_counter()
-    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "a_tokens_per_step": A_MB * A_SEQ * args.a_rounds, "a_rounds": args.a_rounds}
     path = os.path.join(args.out, "offload.json")
 
     def dump():
         with open(path, "w") as f:
             json.dump(res, f, indent=1)
 
-    c3, c8 = llama("3B"), llama("8B")
     t0 = time.perf_counter()
     prof = measure([(8192, 3072, 3072), (8192, 8192, 3072), (8192, 4096, 4096), (8192, 14336, 4096), (8192, 8192, 8192)])
     res["profile_s"] = time.perf_counter() - t0
-    save(prof, os.path.join(args.out, "profile_h100.json"))
+    save(prof, os.path.join(args.out, "profile.json"))
     res["profile"] = prof.__dict__
+    torch.cuda.empty_cache()
     dump()
     ceiling = prof.gemm_rate("8192x8192x8192") / 1e12
-
-    def section(name, fn):
-        if time.perf_counter() - t_start > args.budget_s:
-            res[name] = {"skipped": "time budget"}
-            return
-        try:
-            t = time.perf_counter()
-            res[name] = fn()
-            res[name]["wall_s"] = time.perf_counter() - t
-        except Exception as e:
-            res[name] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-3000:]}
-        import gc
-
-        gc.collect()
-        torch.cuda.empty_cache()
-        print(name, json.dumps({k: v for k, v in res[name].items() if k not in ("plan_text", "trace")})[:600], flush=True)
-        dump()
-
     secs = args.sections.split(",")
-    fp32 = Dtypes()
-    bf16 = Dtypes("bfloat16", "bfloat16", "bfloat16", "bfloat16")
-    if "b" in secs:
-        section("b_8B_bf16_24GiB", lambda: run_engine(c8, prof, bf16, 24, 1, 8192, 1, args.steps, torch.bfloat16))
-    if "a" in secs:
-        # one micro-batch per step (host-side accumulation over rounds costs a host memory pass
-        # per round). 8192 tokens need 16.3 GiB by the model (the fp32 logits dominate): 4096.
-        mb, seq, rounds = 1, 4096, 1
-        section("a_offload_16GiB", lambda: run_engine(c3, prof, fp32, 16, mb, seq, rounds, args.steps, torch.float32))
-        section("a_resident", lambda: run_resident(c3, mb, seq, rounds, args.steps))
-        section("a_fsdp2_cpu_offload", lambda: run_fsdp2_offload(c3, mb, seq, rounds, 1))
+    for name, cap in ROWS.items():
+        if name[0] not in secs:
+            continue
+        left = args.budget_s - (time.perf_counter() - t_start)
+        if left < 30:
+            res[name] = {"skipped": "time budget"}
+        else:
+            res[name] = spawn(name, args, min(cap, left))
+        print(name, json.dumps({k: v for k, v in res[name].items() if k not in ("plan_text", "trace")})[:800], flush=True)
+        dump()
     a, r, f = res.get("a_offload_16GiB", {}), res.get("a_resident", {}), res.get("a_fsdp2_cpu_offload", {})
     summ = {}
     if "tokens_per_s" in a and "tokens_per_s" in r:
@@ -273,16 +327,22 @@ def main():
     summ["gemm_ceiling_tflops"] = ceiling
     res["summary"] = summ
     dump()
-    rows = ["| run | tokens/s | step s | peak GPU GiB | predicted step s | predicted peak GiB |", "|---|---|---|---|---|---|"]
-    for k in ("a_offload_16GiB", "a_resident", "a_fsdp2_cpu_offload", "b_8B_bf16_24GiB"):
+    rows = ["| run | tokens/s | step s | peak GPU GiB | engine static GiB | peak over static GiB | predicted step s | "
+            "predicted peak GiB |", "|---|---|---|---|---|---|---|---|"]
+    for k in ROWS:
         v = res.get(k, {})
         if "step_s" in v:
-            ps = f"{v['predicted_step_s']:.3f}" if "predicted_step_s" in v else "-"
-            pp = f"{v['predicted_peak_gpu_bytes'] / GiB:.2f}" if "predicted_peak_gpu_bytes" in v else "-"
-            rows.append(f"| {k} | {v['tokens_per_s']:.0f} | {v['step_s']:.3f} | {v['peak_gpu_bytes'] / GiB:.2f} | {ps} | {pp} |")
+            mem = v.get("memory", {})
+            cells = [f"{v['tokens_per_s']:.0f}", f"{v['step_s']:.3f}", f"{v['peak_gpu_bytes'] / GiB:.2f}",
+                     f"{mem['after_first_step'] / GiB:.2f}" if "after_first_step" in mem else "-",
+                     f"{mem['peak_over_static'] / GiB:.2f}" if "peak_over_static" in mem else "-",
+                     f"{v['predicted_step_s']:.3f}" if "predicted_step_s" in v else "-",
+                     f"{v['predicted_peak_gpu_bytes'] / GiB:.2f}" if "predicted_peak_gpu_bytes" in v else "-"]
+            rows.append(f"| {k} | " + " | ".join(cells) + " |")
         else:
-            rows.append(f"| {k} | {v.get('error', v.get('skipped', 'not run'))[:120]} | | | | |")
+            rows.append(f"| {k} | {v.get('error', v.get('skipped', 'not run'))[:120]} | | | | | | |")
     rows.append("")
+    rows.append(f"(a): {args.a_rounds} x {A_MB}x{A_SEQ} tokens per optimizer step in every row; each row in its own process")
     rows.append("summary: " + json.dumps(summ))
     with open(os.path.join(args.out, "offload.md"), "w") as f:
         f.write("\n".join(rows) + "\n")
