@@ -66,7 +66,7 @@ def check(model: str, nproc: int) -> dict:
         "tokens_per_second": mean("tokens_per_second"), "tflops_per_device": mean("tflops"),
         "mfu_pct_vs_spec_peak": mean("mfu_pct"), "memory_peak_gib": max(r.get("memory_peak_gib", 0) for r in a),
         "hf_export": os.path.isfile(os.path.join(split, "hf", "config.json")),
-        "losses": la,
+        "losses": la, "losses_split_resumed": lb,
     }
 
 
