@@ -13,6 +13,10 @@ __version__ = "0.1.0"
 def _register_model_families() -> None:
     import fla  # noqa: F401  (registers FLA's configs and models)
 
+    # FLA's softmax-attention layer (samba and other hybrids) needs flash-attn: stand-ins when absent
+    from flame.models.cpu import install_attention_standins
+
+    install_attention_standins()
     # flame's transformer replaces FLA's "transformer" entry (which needs flash_attn)
     for name in ("flame.models.transformer", "custom_models"):
         try:

@@ -160,33 +160,53 @@ def _torch_varlen(q, k, v, scale, cu_seqlens, max_seqlen):
 
 
 _FLEX = None
-_MASK_CACHE: list = []   # [(cu_seqlens tensor (kept alive), its _version, length, BlockMask)]
+_MASK_CACHE: list = []   # [((cu_seqlens tensor (kept alive), its _version, length, left), BlockMask)]
+_MASK_CACHE_SIZE = 4     # hybrids alternate windowed and full layers: keep a few masks per step
 
 
-def _flex(q, k, v, scale, cu_seqlens):
+def flex_mask_mod(L: int, cu_seqlens: torch.Tensor | None, left: int | None, device):
+    """FlexAttention mask_mod: causal, within a document (``cu_seqlens``), and at most ``left``
+    keys back (flash-attn's ``window_size=(left, 0)``) when ``left`` is given."""
+    doc = None
+    if cu_seqlens is not None:
+        doc = torch.searchsorted(cu_seqlens.to(device), torch.arange(L, device=device), right=True)
+
+    def mask_mod(b, h, qi, kj):
+        ok = qi >= kj
+        if doc is not None:
+            ok = ok & (doc[qi] == doc[kj])
+        if left is not None:
+            ok = ok & (qi - kj <= left)
+        return ok
+
+    return mask_mod
+
+
+def _block_mask(L, cu_seqlens, left, device):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    key = (cu_seqlens, getattr(cu_seqlens, "_version", 0), L, left)
+    for k, bm in _MASK_CACHE:
+        if k[0] is key[0] and k[1:] == key[1:]:
+            return bm
+    bm = create_block_mask(flex_mask_mod(L, cu_seqlens, left, device), None, None, L, L, device=device)
+    _MASK_CACHE.insert(0, (key, bm))
+    del _MASK_CACHE[_MASK_CACHE_SIZE:]
+    return bm
+
+
+def _flex(q, k, v, scale, cu_seqlens, left: int | None = None):
+    """Causal FlexAttention on [B, T, H, D]; documents by ``cu_seqlens`` (over the flattened B*T
+    tokens), optional sliding window of ``left`` keys back."""
     global _FLEX
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import flex_attention
 
     if _FLEX is None:
         _FLEX = torch.compile(flex_attention, dynamic=False)
     B, T, hq = q.shape[:3]
     if cu_seqlens is not None and B > 1:
         q, k, v = (x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v))
-    L = q.shape[1]
-    hit = [e for e in _MASK_CACHE if e[0] is cu_seqlens and e[1] == getattr(cu_seqlens, "_version", 0) and e[2] == L]
-    if hit:
-        block_mask = hit[0][3]
-    else:
-        if cu_seqlens is None:
-            def mask_mod(b, h, qi, kj):
-                return qi >= kj
-        else:
-            doc = torch.searchsorted(cu_seqlens.to(q.device), torch.arange(L, device=q.device), right=True)
-
-            def mask_mod(b, h, qi, kj):
-                return (qi >= kj) & (doc[qi] == doc[kj])
-        block_mask = create_block_mask(mask_mod, None, None, L, L, device=q.device)
-        _MASK_CACHE[:] = [(cu_seqlens, getattr(cu_seqlens, "_version", 0), L, block_mask)]
+    block_mask = _block_mask(q.shape[1], cu_seqlens, left, q.device)
     o = _FLEX(_heads_first(q), _heads_first(k), _heads_first(v), block_mask=block_mask, scale=scale,
               enable_gqa=q.shape[2] != k.shape[2])
     return o.transpose(1, 2).reshape(B, T, hq, -1)

@@ -72,19 +72,26 @@ def enable_cpu_fallbacks() -> dict:
     patch_method(FusedCrossEntropyLoss, 'forward', M.fused_cross_entropy_forward_cpu)
     patch_method(FusedLinearCrossEntropyLoss, 'forward', M.fused_linear_cross_entropy_forward_cpu)
 
-    # Hybrids (samba, attn layers in FLA configs) need flash-attn at construction time. When it is
-    # absent, give fla.layers.attn SDPA stand-ins that serve CPU tensors and raise flash-attn's
-    # ImportError on any other device (where the layer could not be built before either).
+    install_attention_standins()
+    _state['enabled'] = True
+    return report
+
+
+def install_attention_standins() -> bool:
+    """Hybrids (samba, attn layers in FLA configs) need flash-attn at construction time. When it is
+    absent (it cannot be installed on the CPU CI machines nor on the lent GPU image), give
+    fla.layers.attn stand-ins: SDPA with an explicit mask on CPU, FlexAttention (causal, sliding
+    window, documents) on GPU. Returns True when the stand-ins are (now) in place. Idempotent."""
     attn = importlib.import_module('fla.layers.attn')
     if getattr(attn, 'flash_attn_func', None) is None:
         attn.flash_attn_func = M.flash_attn_func_cpu
         attn.flash_attn_varlen_func = M.flash_attn_varlen_func_cpu
-    _state['enabled'] = True
-    return report
+    return attn.flash_attn_func is M.flash_attn_func_cpu
 
 
 def cpu_fallbacks_enabled() -> bool:
     return _state['enabled']
 
 
-__all__ = ['CPU_FAMILIES', 'FUNCTION_PATCHES', 'MARK', 'cpu_fallbacks_enabled', 'enable_cpu_fallbacks']
+__all__ = ['CPU_FAMILIES', 'FUNCTION_PATCHES', 'MARK', 'cpu_fallbacks_enabled', 'enable_cpu_fallbacks',
+           'install_attention_standins']

@@ -331,21 +331,33 @@ def _sdpa(q, k, v, causal, window_size, softmax_scale=None):
     return o.transpose(1, 2)
 
 
-def _require_cpu(t):
-    if t.device.type != 'cpu':
-        raise ImportError("Please install Flash Attention via `pip install flash-attn --no-build-isolation` first")
+def _flex_left(causal, window_size):
+    """flash-attn's (left, right) window as FlexAttention's look-back; None = unbounded."""
+    left, right = window_size if window_size is not None else (-1, -1)
+    if not causal or right not in (-1, 0):
+        raise NotImplementedError(f"flash-attn stand-in on GPU: causal=True only (got causal={causal}, "
+                                  f"window_size={window_size})")
+    return None if left < 0 else int(left)
 
 
 def flash_attn_func_cpu(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), **kw):
-    """Stand-in for flash_attn_func when flash-attn is absent; CPU tensors only."""
-    _require_cpu(q)
+    """Stand-in for flash_attn_func when flash-attn is absent: SDPA with an explicit mask on CPU,
+    FlexAttention (causal, sliding window) on GPU."""
+    if q.device.type != 'cpu' and q.shape[1] == k.shape[1]:
+        from flame.models.attention.dispatch import _flex
+
+        return _flex(q, k, v, softmax_scale, None, _flex_left(causal, window_size))
     return _sdpa(q, k, v, causal, window_size, softmax_scale)
 
 
 def flash_attn_varlen_func_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None,
                                dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), **kw):
-    """Stand-in for flash_attn_varlen_func (packed ``[total, H, D]`` tensors); CPU tensors only."""
-    _require_cpu(q)
+    """Stand-in for flash_attn_varlen_func (packed ``[total, H, D]`` tensors): per-document SDPA on
+    CPU, one document-masked FlexAttention call on GPU (training: the same cu_seqlens for q and k)."""
+    if q.device.type != 'cpu' and q.shape[0] == k.shape[0] and torch.equal(cu_seqlens_q, cu_seqlens_k):
+        from flame.models.attention.dispatch import _flex
+
+        return _flex(q[None], k[None], v[None], softmax_scale, cu_seqlens_q, _flex_left(causal, window_size))[0]
     bq, bk = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     outs = []
     for n in range(len(bq) - 1):
