@@ -64,5 +64,5 @@ class EngineModelState(Stateful):
         return self.engine.model_state_dict()
 
     def load_state_dict(self, state_dict: dict) -> None:
-        keys = self.engine.model_state_dict().keys()
+        keys = self.engine.model_state_keys()  # no gathering of the sharded masters
         self.engine.load_model_state_dict({k: state_dict[k] for k in keys if k in state_dict})

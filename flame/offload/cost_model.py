@@ -8,6 +8,16 @@ calibration): block compute time = GEMM FLOPs / measured GEMM rate + attention F
 attention rate (elementwise work is folded into those rates by calibration); during the
 backward both copy directions are taken as busy together, so each gets its share of the
 measured duplex rate; the forward's H2D runs alone at the full H2D rate.
+
+Data parallelism (`world` > 1, see runtime.engine): host units are sharded, so per rank the host
+and pinned bytes, the PCIe traffic and the CPU optimizer work are those of one shard
+(ceil(numel / world) elements); the GPU holds the full gathered slots / resident copies plus a
+grad shard per host unit. Each fetch adds an all-gather after its H2D (added to the copy stage:
+conservative, the two run on different engines), each backward a reduce-scatter (added to the
+compute stage: the engine issues it there), and the replicated "gpu" units one all-reduce a step.
+Collective times are ring-algorithm bus-bandwidth times, (world - 1) / world * bytes / busbw
+(all-reduce twice that), with the profile's allgather_gbps / reducescatter_gbps when measured,
+else DEFAULT_COLLECTIVE_GBPS. With world = 1 every term is exactly the one-GPU model.
 """
 
 from __future__ import annotations
@@ -20,6 +30,26 @@ from flame.offload.profile import HardwareProfile
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 CONV_CHUNK = 1 << 25  # must match runtime.engine.CONV_CHUNK
 RUNTIME_OVERHEAD_BYTES = 256 * 2**20  # cuBLAS workspaces, small buffers: refit by calibration
+# bus bandwidth (nccl-tests' busbw) of all-gather / reduce-scatter when the profile has none: a
+# deliberately conservative figure (below NVLink's several hundred GB/s, above PCIe-only hosts)
+DEFAULT_COLLECTIVE_GBPS = 100.0
+
+
+def shard_numel(numel: int, world: int) -> int:
+    """Elements of one rank's shard of a host unit (its flat numel padded to a multiple of world)."""
+    return -(-numel // world)
+
+
+def padded_numel(numel: int, world: int) -> int:
+    return shard_numel(numel, world) * world
+
+
+def collective_s(nbytes: float, world: int, gbps: float) -> float:
+    """Ring time of an all-gather or reduce-scatter of `nbytes` (the full buffer) over `world`
+    ranks at bus bandwidth `gbps` (0: DEFAULT_COLLECTIVE_GBPS); 0 for one rank."""
+    if world <= 1:
+        return 0.0
+    return (world - 1) / world * nbytes / ((gbps or DEFAULT_COLLECTIVE_GBPS) * 1e9)
 
 
 @dataclass
@@ -56,7 +86,8 @@ MODES = ("gpu", "host_opt", "stream")
 
 # what the engine holds on the GPU for its whole life, by kind (OffloadEngine.memory_report
 # measures the same categories)
-MEMORY_CATEGORIES = ("compute", "grads", "grad_acc", "master", "moments", "slots", "grad_slots", "conversion")
+MEMORY_CATEGORIES = ("compute", "grads", "grad_acc", "master", "moments", "slots", "grad_slots", "conversion",
+                     "shards")
 
 
 def gpu_acc_extra(mode: str, dt: Dtypes) -> int:
@@ -65,15 +96,20 @@ def gpu_acc_extra(mode: str, dt: Dtypes) -> int:
     return 0 if mode == "host_opt" and dt.grad_extra == 0 else DTYPE_BYTES[dt.grad]
 
 
-def unit_gpu_categories(u: UnitCosts, mode: str, dt: Dtypes, gpu_acc: bool = False) -> dict[str, int]:
+def unit_gpu_categories(u: UnitCosts, mode: str, dt: Dtypes, gpu_acc: bool = False, world: int = 1) -> dict[str, int]:
     """GPU bytes a unit owns, by category (`gpu_acc`: a host unit accumulating its grads on the GPU
-    over the rounds of a step)."""
+    over the rounds of a step; `world` > 1: host units sharded, "gpu" units replicated)."""
     out = dict.fromkeys(MEMORY_CATEGORIES, 0)
+    sharded = world > 1 and mode != "gpu"
+    full = padded_numel(u.numel, world) if sharded else u.numel
     if gpu_acc and mode != "gpu":
-        out["grad_acc"] = u.numel * gpu_acc_extra(mode, dt)
+        # sharded: a separate accumulator of the reduce-scattered shard, in grad dtype
+        out["grad_acc"] = shard_numel(u.numel, world) * DTYPE_BYTES[dt.grad] if sharded else u.numel * gpu_acc_extra(mode, dt)
+    if sharded:  # the grad shard the full grad is reduce-scattered into
+        out["shards"] = shard_numel(u.numel, world) * dt.c
     if mode in ("gpu", "host_opt"):
-        # compute copy + its grad (autograd writes grads in the param dtype)
-        out["compute"] = out["grads"] = u.numel * dt.c
+        # compute copy + its grad (autograd writes grads in the param dtype); full (gathered) size
+        out["compute"] = out["grads"] = full * dt.c
     if mode == "gpu":
         # a separate master / accumulator only when its dtype differs from the compute dtype
         out["master"] = u.numel * dt.master_extra
@@ -82,25 +118,25 @@ def unit_gpu_categories(u: UnitCosts, mode: str, dt: Dtypes, gpu_acc: bool = Fal
     return out
 
 
-def unit_gpu_bytes(u: UnitCosts, mode: str, dt: Dtypes, gpu_acc: bool = False) -> int:
-    return sum(unit_gpu_categories(u, mode, dt, gpu_acc).values())
+def unit_gpu_bytes(u: UnitCosts, mode: str, dt: Dtypes, gpu_acc: bool = False, world: int = 1) -> int:
+    return sum(unit_gpu_categories(u, mode, dt, gpu_acc, world).values())
 
 
 def static_gpu_bytes(units: list[UnitCosts], modes: list[str], dt: Dtypes, depth: int, rounds: int,
-                     accs: list[bool] | None = None) -> dict[str, int]:
+                     accs: list[bool] | None = None, world: int = 1) -> dict[str, int]:
     """GPU bytes the engine allocates for its whole life, by category: the units' own buffers,
     the weight and grad slots of streamed units, the grad conversion chunks. `accs`: per unit,
     grads accumulated on the GPU (only for host units with rounds > 1, see effective_accs)."""
     out = dict.fromkeys(MEMORY_CATEGORIES, 0)
     accs = effective_accs(modes, accs, rounds)
     for u, m, a in zip(units, modes, accs):
-        for k, v in unit_gpu_categories(u, m, dt, a).items():
+        for k, v in unit_gpu_categories(u, m, dt, a, world).items():
             out[k] += v
-    streamed = [u.numel for u, m in zip(units, modes) if m == "stream"]
+    streamed = [padded_numel(u.numel, world) for u, m in zip(units, modes) if m == "stream"]
     if streamed:  # see OffloadEngine._build_buffers
         out["slots"] = (depth + 3) * max(streamed) * dt.c
         out["grad_slots"] = 2 * max(streamed) * dt.c
-    host = [u.numel for u, m in zip(units, modes) if m != "gpu"]
+    host = [shard_numel(u.numel, world) for u, m in zip(units, modes) if m != "gpu"]
     g = DTYPE_BYTES[dt.grad]
     if host and rounds == 1 and g != dt.c:
         out["conversion"] = 2 * min(CONV_CHUNK, max(host)) * g
@@ -114,19 +150,21 @@ def effective_accs(modes: list[str], accs: list[bool] | None, rounds: int) -> li
     return [rounds > 1 and m != "gpu" and i < len(accs) and bool(accs[i]) for i, m in enumerate(modes)]
 
 
-def unit_host_bytes(u: UnitCosts, mode: str, dt: Dtypes, rounds: int = 1, gpu_acc: bool = False) -> tuple[int, int]:
-    """(total host bytes, of which pinned) of a unit."""
+def unit_host_bytes(u: UnitCosts, mode: str, dt: Dtypes, rounds: int = 1, gpu_acc: bool = False,
+                    world: int = 1) -> tuple[int, int]:
+    """(total host bytes, of which pinned) of a unit on one rank (its shard when world > 1)."""
     if mode == "gpu":
         return 0, 0
+    n = shard_numel(u.numel, world)
     g = DTYPE_BYTES[dt.grad]
     if rounds == 1 or gpu_acc:
         # pinned: compute copy the GPU streams from (the master itself when dtypes match) + the
         # grad accumulator the D2H writes into directly (once per step)
-        pinned = u.numel * (dt.c + g)
-        return pinned + u.numel * (dt.master_extra + dt.moments), pinned
+        pinned = n * (dt.c + g)
+        return pinned + n * (dt.master_extra + dt.moments), pinned
     # rounds > 1: grads arrive in compute dtype into a pinned staging buffer, added on the CPU
-    pinned = u.numel * 2 * dt.c
-    return pinned + u.numel * (dt.master_extra + g + dt.moments), pinned
+    pinned = n * 2 * dt.c
+    return pinned + n * (dt.master_extra + g + dt.moments), pinned
 
 
 @dataclass
@@ -175,9 +213,10 @@ def unit_times(u: UnitCosts, prof: HardwareProfile, scale: float, fudge: float =
 
 def predict(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, layer_modes, layer_acts, outer_mode: str,
             depth: int, micro_batch: int, rounds: int, cpu_threads: int, fudge: float = 1.0,
-            layer_accs: list[bool] | None = None, outer_acc: bool = False) -> Prediction:
+            layer_accs: list[bool] | None = None, outer_acc: bool = False, world: int = 1) -> Prediction:
     """Predicted steady-state step time and peak memory of one plan (`layer_accs`, `outer_acc`:
-    grads of host units accumulated on the GPU over the rounds, sent to the host once a step)."""
+    grads of host units accumulated on the GPU over the rounds, sent to the host once a step),
+    per rank of `world` data-parallel ranks (host units sharded; bytes are one rank's)."""
     scale = micro_batch / costs.micro_batch
     layers, outer = costs.layers, costs.outer
     c = dt.c
@@ -196,17 +235,24 @@ def predict(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, layer_modes, l
     accs = effective_accs(modes, [outer_acc] + list(layer_accs or [False] * len(layers)), rounds)
     times = [unit_times(u, prof, scale, fudge) for u in units]
     g = DTYPE_BYTES[dt.grad]
+    # per rank: a host unit's shard (the whole unit with one rank or in "gpu" mode) ...
+    sn = [shard_numel(u.numel, world) if m != "gpu" else u.numel for u, m in zip(units, modes)]
+    # ... and the collectives around its full (padded) compute-dtype buffer
+    ag_s = [collective_s(padded_numel(u.numel, world) * c, world, prof.allgather_gbps) if m != "gpu" else 0.0
+            for u, m in zip(units, modes)]
+    rs_s = [collective_s(padded_numel(u.numel, world) * c, world, prof.reducescatter_gbps) if m != "gpu" else 0.0
+            for u, m in zip(units, modes)]
     # CPU work per host unit: the fused AdamW, the new compute copy when master != compute dtype
     # (a read+write pass at the measured host memcpy rate), and for rounds > 1 one accumulate
     # pass per micro-batch plus the grad-norm pass (none when the unit accumulates on the GPU)
     conv = dt.master_extra and (dt.master_extra + c)
-    cpu_t = [u.numel / cpu_rate + u.numel * conv / memcpy if m != "gpu" else 0.0 for u, m in zip(units, modes)]
-    acc_t = [(rounds * u.numel * (c + g) + u.numel * g) / memcpy if m != "gpu" and rounds > 1 and not a else 0.0
-             for u, m, a in zip(units, modes, accs)]
+    cpu_t = [n / cpu_rate + n * conv / memcpy if m != "gpu" else 0.0 for n, m in zip(sn, modes)]
+    acc_t = [(rounds * n * (c + g) + n * g) / memcpy if m != "gpu" and rounds > 1 and not a else 0.0
+             for n, m, a in zip(sn, modes, accs)]
     # GPU accumulation: one add per round into a separate accumulator (read grad and accumulator,
-    # write accumulator) on the compute stream
-    add_t = [u.numel * (c + 2 * g) / (prof.hbm_gbps * 1e9) if a and gpu_acc_extra(m, dt) else 0.0
-             for u, m, a in zip(units, modes, accs)]
+    # write accumulator) on the compute stream (sharded: always separate, the shard's size)
+    add_t = [n * (c + 2 * g) / (prof.hbm_gbps * 1e9) if a and (world > 1 or gpu_acc_extra(m, dt)) else 0.0
+             for n, m, a in zip(sn, modes, accs)]
     # bytes per param crossing D2H and in which rounds: grad dtype once a step when converted on
     # the GPU (one round) or accumulated there; otherwise compute dtype every round
     wire = [g if rounds == 1 or a else c for a in accs]
@@ -218,9 +264,10 @@ def predict(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, layer_modes, l
         fw = []
         for j, (u, m) in enumerate(zip(units, modes)):
             need = m == "stream" or (m == "host_opt" and r == 0)
-            b = u.numel * c if need else 0
+            b = sn[j] * c if need else 0
             h2d_bytes += b
-            fw.append((cpu_t[j] + (acc_t[j] if r == 0 else 0.0) if r == 0 else 0.0, b / h2d, times[j][0], 0.0))
+            fw.append((cpu_t[j] + (acc_t[j] if r == 0 else 0.0) if r == 0 else 0.0, b / h2d + (ag_s[j] if need else 0.0),
+                       times[j][0], 0.0))
             compute += times[j][0]
         total += _flow(fw, depth)
         bw = []
@@ -228,20 +275,22 @@ def predict(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, layer_modes, l
             u, m = units[k], modes[k]
             # streamed layers still in a slot after the forward (the last depth+1) are not refetched
             refetch = m == "stream" and k >= 1 and (k - 1) < n - (depth + 1)
-            b = u.numel * c if refetch else 0
+            b = sn[k] * c if refetch else 0
             sends = m != "gpu" and (not accs[k] or r == rounds - 1)
-            d = u.numel * wire[k] if sends else 0
+            d = sn[k] * wire[k] if sends else 0
             h2d_bytes += b
             d2h_bytes += d
             ct = times[k][1] + (times[k][0] if acts[k] == "recompute" else 0.0) + add_t[k]
             compute += ct
-            bw.append((0.0, b / h2d_bwd, ct, d / d2h_bwd))
+            bw.append((0.0, b / h2d_bwd + (ag_s[k] if refetch else 0.0), ct + rs_s[k], d / d2h_bwd))
         total += _flow(bw, depth)
     gpu_params = sum(u.numel for u, m in zip(units, modes) if m == "gpu")
     total += gpu_params / (prof.gpu_adam_gparams * 1e9)
+    # replicated "gpu" units: one all-reduce (reduce-scatter + all-gather) of their grads a step
+    total += collective_s(gpu_params * g, world, prof.reducescatter_gbps) + collective_s(gpu_params * g, world, prof.allgather_gbps)
 
     # memory
-    static = static_gpu_bytes(units, modes, dt, depth, rounds, accs)
+    static = static_gpu_bytes(units, modes, dt, depth, rounds, accs, world)
     mem = sum(static.values())
     act = sum(scale * (u.act_keep_bytes if a == "keep" else u.act_recompute_bytes) for u, a in zip(layers, layer_acts))
     act += scale * outer.act_keep_bytes
@@ -257,7 +306,7 @@ def predict(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, layer_modes, l
     mem += int(act + max(trans)) + RUNTIME_OVERHEAD_BYTES
     host = pinned = 0
     for u, m, a in zip(units, modes, accs):
-        h, p = unit_host_bytes(u, m, dt, rounds, a)
+        h, p = unit_host_bytes(u, m, dt, rounds, a, world)
         host += h
         pinned += p
     useful = rounds * sum(scale * (u.fwd_gemm_flops + u.bwd_gemm_flops + u.fwd_attn_flops + u.bwd_attn_flops) for u in units)

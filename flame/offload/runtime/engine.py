@@ -12,6 +12,20 @@ flat buffers; its module parameters become views into its compute-dtype flat buf
             shape, stride) and re-materialized from the unit's current slot in the backward.
 Only streams and events order GPU work; the host waits for the GPU once per step (the global
 grad norm the CPU optimizer needs) and on the CPU thread (D2H done before the CPU reads).
+
+Data parallelism (world > 1, ZeRO-3-like over the flat buffers): every host unit's flat numel is
+padded to a multiple of the world size and rank r owns [r*S, (r+1)*S). Its host buffers (pinned
+compute copy, master, moments, grad staging and accumulator) and its CPU AdamW hold only that
+shard: the weights cross PCIe once per rank, the rest goes over NVLink/the network. A fetch
+copies the own shard H2D into the rank's slice of the unit's full GPU buffer (slot or resident
+copy) and all-gathers in place on a comm stream (FSDP2 does the same in-place gather). After the
+unit's backward its full grad is reduce-scattered (sum: the trainer divides the loss by the
+global token count, as for FSDP with its division disabled) into a GPU shard buffer, which then
+goes D2H (or into the shard-sized GPU accumulator) exactly as the full grad does with one rank.
+The grad norm all-reduces the squared norms of the owned shards (padding is zero). The optimizer
+step needs no communication; the next fetch gathers the new weights. "gpu" units stay
+replicated (the simplest correct choice): their accumulated grads are all-reduced (sum) once a
+step before the norm, and every rank steps the same copy on the GPU.
 """
 
 from __future__ import annotations
@@ -28,6 +42,7 @@ from torch.utils.checkpoint import checkpoint
 from flame.errors import ConfigError
 from flame.offload.cost_model import MEMORY_CATEGORIES
 from flame.offload.costs import find_blocks
+from flame.offload.runtime.collectives import all_gather_flat, comm_device, native, reduce_scatter_flat
 from flame.offload.runtime.streams import PIN_PIECE_BYTES, Streams, piece_ranges, register_pinned, unregister_pinned
 from flame.offload.solver import Plan
 
@@ -65,6 +80,18 @@ class Unit:
         self.gpu_acc = False  # grads accumulated on the GPU over the rounds (host units, rounds > 1)
         self.gacc_dev = None
         self.sent = False  # this step's accumulated grads went to the host
+        # data-parallel shard of the flat buffers (see the module doc): padded numel, shard numel,
+        # first owned element; the whole unit (pn = sn = numel, lo = 0) with one rank or in "gpu" mode
+        self.sharded = False
+        self.pn = self.sn = self.numel
+        self.lo = 0
+        self.gsh = None  # GPU shard the full grad is reduce-scattered into
+        self.gsh_free = None  # event: gsh read by its D2H
+
+    def owned(self, o: int, n: int) -> tuple[int, int] | None:
+        """[a, b): the part of flat range [o, o + n) this rank owns, in flat coordinates."""
+        a, b = max(o, self.lo), min(o + n, self.lo + self.sn)
+        return (a, b) if a < b else None
 
     def bind(self, flat: torch.Tensor, grad: bool = False) -> None:
         for (_, p), o in zip(self.params, self.offsets):
@@ -83,8 +110,21 @@ class _Slot:
 class OffloadEngine:
     def __init__(self, model: nn.Module, plan: Plan, device: torch.device, lr: float = 1e-3,
                  betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0, description: str = "",
-                 no_decay: set[str] | None = None, pin_piece_bytes: int = PIN_PIECE_BYTES):
+                 no_decay: set[str] | None = None, pin_piece_bytes: int = PIN_PIECE_BYTES, group=None):
+        """`group`: the data-parallel process group the host units are sharded over; None takes
+        the default group when torch.distributed is initialized with more than one rank."""
         self.model, self.plan, self.device = model, plan, torch.device(device)
+        import torch.distributed as dist
+
+        if group is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            group = dist.group.WORLD
+        self.group = group
+        self.world = dist.get_world_size(group) if group is not None else 1
+        self.rank = dist.get_rank(group) if group is not None else 0
+        if self.world > 1 and self.device.type == "cuda" and not native(group):
+            raise ConfigError(f"offload: data parallelism on {self.device} needs the NCCL backend, "
+                              f"got {dist.get_backend(group)}")
+        self.comm_dev = comm_device(group, self.device) if self.world > 1 else self.device
         self.pin_piece_bytes = pin_piece_bytes  # cudaHostRegister piece of every pinned buffer
         self.description = description
         dts = plan.dtypes
@@ -93,6 +133,8 @@ class OffloadEngine:
             raise ConfigError(f"offload.moment_dtype={dts['moment']}: torch AdamW keeps moments in the master dtype ({dts['master']})")
         self.s = Streams(self.device)
         self.cuda = self.s.cuda
+        # all-gathers of the weights run here, off the compute stream (prefetched like the H2D)
+        self.comm = torch.cuda.Stream(self.device) if self.cuda and self.world > 1 else None
         self.pin = self.cuda
         self.lr, self.betas, self.eps, self.wd = lr, betas, eps, weight_decay
         # parameters without weight decay (norms, biases, embeddings) as in the plain optimizer;
@@ -126,7 +168,14 @@ class OffloadEngine:
         for u, acc in zip(self.units, plan.unit_accs()):
             u.gpu_acc = acc
         for u in self.units:
-            u.decay = [(o, p.numel()) for (fqn, p), o in zip(u.params, u.offsets) if fqn not in self.no_decay]
+            if self.world > 1 and u.mode != "gpu":
+                u.sharded = True
+                u.pn = -(-u.numel // self.world) * self.world
+                u.sn = u.pn // self.world
+                u.lo = self.rank * u.sn
+            # decayed ranges in the coordinates of the unit's (shard of the) master
+            u.decay = [(a - u.lo, b - a) for (fqn, p), o in zip(u.params, u.offsets)
+                       if fqn not in self.no_decay and (ab := u.owned(o, p.numel())) for a, b in [ab]]
         for mod in model.modules():  # buffers (rotary tables, ...) live on the compute device
             for k, b in list(mod._buffers.items()):
                 if b is not None:
@@ -136,10 +185,13 @@ class OffloadEngine:
         self.gpu_sq = torch.zeros((), dtype=torch.float32, device=self.device)
 
     # ------------------------------------------------------------------ buffers
-    def _flat_from_params(self, u: Unit, dtype, device, pin=False) -> torch.Tensor:
-        t = torch.empty(u.numel, dtype=dtype, device=device)
+    def _flat_from_params(self, u: Unit, dtype, device) -> torch.Tensor:
+        """The unit's flat values on this rank: its shard [lo, lo + sn), zero padding included."""
+        t = (torch.zeros if u.sharded else torch.empty)(u.sn, dtype=dtype, device=device)
         for (_, p), o in zip(u.params, u.offsets):
-            t[o:o + p.numel()].copy_(p.data.reshape(-1))
+            ab = u.owned(o, p.numel())
+            if ab:
+                t[ab[0] - u.lo:ab[1] - u.lo].copy_(p.data.reshape(-1)[ab[0] - o:ab[1] - o])
         return t
 
     def _build_buffers(self) -> None:
@@ -149,11 +201,11 @@ class OffloadEngine:
         self.conv = []
         if self.direct and host_units and self.gdt != self.cdt:
             # two rotating chunk buffers for the GPU-side grad conversion before D2H
-            n = min(CONV_CHUNK, max(u.numel for u in host_units))
+            n = min(CONV_CHUNK, max(u.sn for u in host_units))
             self.conv = [torch.empty(n, dtype=self.gdt, device=dev) for _ in range(2)]
         self.slots, self.gslots, self.slot_ptrs = [], [], {}
         if stream_units:
-            big = max(u.numel for u in stream_units)
+            big = max(u.pn for u in stream_units)
             # depth+1 ahead of (or behind) the running block, the running block, and the block whose
             # backward may still be finishing (protected until its grads are out)
             self.slots = [_Slot(torch.empty(big, dtype=self.cdt, device=dev)) for _ in range(self.depth + 3)]
@@ -188,21 +240,27 @@ class OffloadEngine:
             if self.direct or u.gpu_acc:
                 # grads arrive on the host once a step already in grad dtype (converted or
                 # accumulated on the GPU), straight into the accumulator the CPU AdamW reads
-                u.g_stage = torch.zeros(u.numel, dtype=self.gdt)
+                u.g_stage = torch.zeros(u.sn, dtype=self.gdt)
                 u.gacc = u.g_stage
             else:
-                u.g_stage = torch.zeros(u.numel, dtype=self.cdt)
-                u.gacc = torch.zeros(u.numel, dtype=self.gdt)
-            u.w = torch.empty(u.numel, dtype=self.cdt, device=dev) if u.mode == "host_opt" else None
+                u.g_stage = torch.zeros(u.sn, dtype=self.cdt)
+                u.gacc = torch.zeros(u.sn, dtype=self.gdt)
+            u.w = torch.empty(u.pn, dtype=self.cdt, device=dev) if u.mode == "host_opt" else None
             if u.w is not None:  # the initial compute copy is in place: no H2D before the first forward
-                self._xfer(u.w_host, 0, u.numel, u.w, to_host=False, non_blocking=False)
+                self._xfer(u.w_host, 0, u.sn, u.w[u.lo:], to_host=False, non_blocking=False)
+                if u.sharded:
+                    all_gather_flat(u.w, u.w[u.lo:u.lo + u.sn], self.group)
         u.master = nn.Parameter(master, requires_grad=False)
-        u.g = torch.zeros(u.numel, dtype=self.cdt, device=dev) if u.mode != "stream" else None
+        # full grad buffer (padded: the reduce-scatter's input; autograd never writes the padding)
+        u.g = torch.zeros(u.pn, dtype=self.cdt, device=dev) if u.mode != "stream" else None
+        if u.sharded:
+            u.gsh = torch.empty(u.sn, dtype=self.cdt, device=dev)
         if u.mode == "gpu":
             u.gacc = u.g if self.gdt == self.cdt else torch.zeros(u.numel, dtype=self.gdt, device=dev)
         if u.gpu_acc:  # a host_opt unit with grads in grad dtype accumulates in its grad buffer
-            same = u.mode == "host_opt" and self.gdt == self.cdt
-            u.gacc_dev = u.g if same else torch.zeros(u.numel, dtype=self.gdt, device=dev)
+            # (sharded: the shard of the sum accumulates, the full grad is reduce-scattered each round)
+            same = u.mode == "host_opt" and self.gdt == self.cdt and not u.sharded
+            u.gacc_dev = u.g if same else torch.zeros(u.sn, dtype=self.gdt, device=dev)
         u.opt = torch.optim.AdamW([u.master], lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=0.0, fused=True)
         # stream: parameters point at a slot (nothing meaningful) until fetched
         u.bind(u.w if u.w is not None else self.slots[0].buf[: u.numel])
@@ -219,9 +277,9 @@ class OffloadEngine:
                 return
             u.cpu_done.wait()
             with self.s.on(self.s.h2d):
-                self._xfer(u.w_host, 0, u.numel, u.w, to_host=False)
-                u.ready = self.s.record(self.s.h2d)
-            u.h2d_src_done = u.ready
+                self._xfer(u.w_host, 0, u.sn, u.w[u.lo:], to_host=False)
+                u.h2d_src_done = self.s.record(self.s.h2d)
+            u.ready = self._gather(u, u.w, u.h2d_src_done)
             u.needs_h2d = False
             return
         self.use_counter += 1
@@ -236,10 +294,20 @@ class OffloadEngine:
         slot.owner, slot.last_use, u.slot = u, self.use_counter, slot
         with self.s.on(self.s.h2d):
             self.s.wait(self.s.h2d, slot.free)
-            self._xfer(u.w_host, 0, u.numel, slot.buf, to_host=False)
-            u.ready = self.s.record(self.s.h2d)
-        u.h2d_src_done = u.ready
+            self._xfer(u.w_host, 0, u.sn, slot.buf[u.lo:], to_host=False)
+            u.h2d_src_done = self.s.record(self.s.h2d)
+        u.ready = self._gather(u, slot.buf, u.h2d_src_done)
         u.bind(slot.buf[: u.numel])
+
+    def _gather(self, u: Unit, buf: torch.Tensor, h2d_done):
+        """Sharded: all-gather the rank's slice of `buf` (just copied H2D) in place into the whole
+        unit, on the comm stream once the copy is done; returns the event of the full weights."""
+        if not u.sharded:
+            return h2d_done
+        with self.s.on(self.comm):
+            self.s.wait(self.comm, h2d_done)
+            all_gather_flat(buf[:u.pn], buf[u.lo:u.lo + u.sn], self.group)
+            return self.s.record(self.comm)
 
     def _xfer(self, host: torch.Tensor, lo: int, hi: int, dev: torch.Tensor, to_host: bool,
               non_blocking: bool = True) -> None:
@@ -345,7 +413,7 @@ class OffloadEngine:
             self.use_counter += 1
             gs.owner, gs.last_use, u.gslot = u, self.use_counter, gs
             self.s.wait(self.s.current(), gs.free)
-            u.g = gs.buf[: u.numel]
+            u.g = gs.buf[: u.pn]
             u.g.zero_()
             u.bind(u.g, grad=True)
 
@@ -391,12 +459,14 @@ class OffloadEngine:
             self._release(u)
         if self.direct and self.round > 0:
             raise RuntimeError(TOO_MANY_ROUNDS.format(self.rounds))
+        # this rank's part of the micro-batch's grads: the whole unit, or the reduce-scattered shard
+        g = self._reduce_scatter(u) if u.sharded else u.g
         if u.gpu_acc:
-            self._acc_on_gpu(u)
+            self._acc_on_gpu(u, g)
             return
         if self.direct:
-            # the norm of the full grad, computed on the GPU while the copy runs
-            self.gpu_sq += torch.linalg.vector_norm(u.g, dtype=torch.float32).square()
+            # the norm of the full grad (of the own shard), computed on the GPU while the copy runs
+            self.gpu_sq += torch.linalg.vector_norm(g, dtype=torch.float32).square()
         u.stage_free.wait()
         u.stage_free.clear()
         cur = self.s.current()
@@ -406,18 +476,20 @@ class OffloadEngine:
             if self.conv:
                 # convert on the GPU in chunks, copy each chunk out; the stream orders buffer reuse
                 n = self.conv[0].numel()
-                for k, a in enumerate(range(0, u.numel, n)):
-                    b = min(u.numel, a + n)
+                for k, a in enumerate(range(0, u.sn, n)):
+                    b = min(u.sn, a + n)
                     buf = self.conv[k % 2][: b - a]
-                    buf.copy_(u.g[a:b])
+                    buf.copy_(g[a:b])
                     self._xfer(u.g_stage, a, b, buf, to_host=True)
             else:
-                self._xfer(u.g_stage, 0, u.numel, u.g, to_host=True)
-            if u.mode == "host_opt":
+                self._xfer(u.g_stage, 0, u.sn, g, to_host=True)
+            if u.mode == "host_opt" and not u.sharded:
                 u.g.zero_()
             u.d2h_done = self.s.record(self.s.d2h)
         u.g_free = u.d2h_done
-        if u.gslot is not None:
+        if u.sharded:
+            u.gsh_free = u.d2h_done
+        elif u.gslot is not None:
             u.gslot.free = u.d2h_done
         if self.direct:
             u.stage_free.set()  # the CPU AdamW waits for d2h_done itself
@@ -435,18 +507,32 @@ class OffloadEngine:
 
         self.pool.submit(accumulate)
 
-    def _acc_on_gpu(self, u: Unit) -> None:
-        """Add this micro-batch's grads into the unit's GPU accumulator; after the plan's last
-        round send the sum to the host: one D2H a step instead of one a round, no CPU adds."""
+    def _reduce_scatter(self, u: Unit) -> torch.Tensor:
+        """Sum the unit's full grad over the ranks into this rank's shard (u.gsh) on the compute
+        stream; the full buffer is free again right after (zeroed, or its grad slot released)."""
+        self.s.wait(self.s.current(), u.gsh_free)  # the last D2H of the shard has read it
+        reduce_scatter_flat(u.gsh, u.g[:u.pn], self.group)
+        if u.mode == "host_opt":
+            u.g.zero_()  # autograd adds the next round's grads into it
+        elif u.gslot is not None:
+            u.gslot.free = self.s.record()
+        return u.gsh
+
+    def _acc_on_gpu(self, u: Unit, g: torch.Tensor) -> None:
+        """Add this micro-batch's grads `g` (u.g, or the rank's reduce-scattered shard) into the
+        unit's GPU accumulator; after the plan's last round send the sum to the host: one D2H a
+        step instead of one a round, no CPU adds."""
         if u.sent:
             raise RuntimeError(TOO_MANY_ROUNDS.format(self.rounds))
-        if u.gacc_dev is not u.g:
+        if u.gacc_dev is not g:
             if self.round == 0:  # overwrite: nothing to zero between steps
                 self.s.wait(self.s.current(), u.g_free)  # once the last step's D2H has read it
-                u.gacc_dev.copy_(u.g)
+                u.gacc_dev.copy_(g)
             else:
-                u.gacc_dev.add_(u.g)
-            if u.mode == "host_opt":
+                u.gacc_dev.add_(g)
+            if u.sharded:
+                pass  # the full buffer was freed by the reduce-scatter; gsh is reused in stream order
+            elif u.mode == "host_opt":
                 u.g.zero_()  # autograd adds the next round's grads into it
             else:
                 u.gslot.free = self.s.record()  # the grad slot is free once the add has run
@@ -462,7 +548,7 @@ class OffloadEngine:
         with self.s.on(self.s.d2h):
             if self.cuda:
                 self.s.d2h.wait_stream(cur)
-            self._xfer(u.g_stage, 0, u.numel, u.gacc_dev, to_host=True)
+            self._xfer(u.g_stage, 0, u.sn, u.gacc_dev, to_host=True)
             if u.gacc_dev is u.g:  # accumulated in its grad buffer: empty it for the next step
                 u.g.zero_()
             u.d2h_done = self.s.record(self.s.d2h)
@@ -503,12 +589,22 @@ class OffloadEngine:
         sq = self.gpu_sq.clone()  # the norms taken on the GPU as grads left for the host
         gpu_units = [u for u in self.units if u.mode == "gpu"]
         host_units = [u for u in self.units if u.mode != "gpu"]
-        if gpu_units:
-            norms = torch._foreach_norm([u.gacc for u in gpu_units], 2, dtype=torch.float32)
-            sq = sq + torch.stack([x.float() for x in norms]).square().sum()
         # units accumulated on the host: the norm of the sum, on the CPU
         cpu_sq = sum(float(torch.linalg.vector_norm(u.gacc, dtype=torch.float32) ** 2)
                      for u in host_units if not (self.direct or u.gpu_acc))
+        if self.world > 1:
+            import torch.distributed as dist
+
+            # replicated "gpu" units: sum their grads over the ranks (as DDP does, once a step)
+            for u in gpu_units:
+                dist.all_reduce(u.gacc, group=self.group)
+            # sharded units: the squared norms of the owned shards, summed over the ranks
+            sq = (sq + cpu_sq).to(self.comm_dev)
+            dist.all_reduce(sq, group=self.group)
+            sq, cpu_sq = sq.to(self.device), 0.0
+        if gpu_units:
+            norms = torch._foreach_norm([u.gacc for u in gpu_units], 2, dtype=torch.float32)
+            sq = sq + torch.stack([x.float() for x in norms]).square().sum()
         v = float(sq.item()) + cpu_sq  # the one host sync of the step
         total = math.sqrt(v) if math.isfinite(v) and v > 0 else (v if not math.isfinite(v) else 0.0)
         self.gpu_sq.zero_()
@@ -600,12 +696,42 @@ class OffloadEngine:
         for (fqn, p), o in zip(u.params, u.offsets):
             yield fqn, p, flat[o:o + p.numel()].view(p.shape)
 
+    def _full(self, u: Unit, shard: torch.Tensor) -> torch.Tensor:
+        """The whole unit's flat values from every rank's shard (all-gathered: a collective all
+        ranks must enter, a transient of the full unit on the comm device and a full copy on the
+        host of every rank); the shard itself when the unit is not sharded."""
+        if not u.sharded:
+            return shard
+        out = torch.empty(u.pn, dtype=shard.dtype, device=self.comm_dev)
+        all_gather_flat(out, shard.to(self.comm_dev), self.group)
+        return out[:u.numel].to(shard.device)
+
+    def _load_shard(self, u: Unit, dst: torch.Tensor, sd: dict, key) -> None:
+        """dst (the unit's master or a moment, this rank's shard) from the full tensors of a
+        state dict: each parameter's owned slice; `key(fqn)` names the entry."""
+        for (fqn, p), o in zip(u.params, u.offsets):
+            ab = u.owned(o, p.numel())
+            if ab is None:
+                continue
+            if key(fqn) not in sd:
+                raise ConfigError(f"checkpoint: missing key {key(fqn)!r}")
+            src = sd[key(fqn)].reshape(-1)[ab[0] - o:ab[1] - o]
+            # the master may be the pinned compute copy and the source a GPU tensor
+            self._xfer(dst, ab[0] - u.lo, ab[1] - u.lo, src, to_host=True, non_blocking=False)
+
+    def model_state_keys(self) -> list[str]:
+        """The names model_state_dict returns (no gathering)."""
+        names = [name for u in self.units for _, p in u.params for name in self.fqns[id(p)]]
+        persistent = self.model.state_dict().keys()
+        return names + [name for name, _ in self.model.named_buffers() if name in persistent]
+
     def model_state_dict(self) -> dict[str, torch.Tensor]:
-        """Master weights under the names `model.state_dict()` uses (tied names included)."""
+        """Master weights under the names `model.state_dict()` uses (tied names included). With
+        data parallelism every rank returns the full tensors (all-gathered unit by unit)."""
         self.synchronize()
         out = {}
         for u in self.units:
-            for fqn, p, v in self._views(u, u.master.data):
+            for fqn, p, v in self._views(u, self._full(u, u.master.data)):
                 for name in self.fqns[id(p)]:
                     out[name] = v
         persistent = self.model.state_dict().keys()
@@ -615,13 +741,13 @@ class OffloadEngine:
         return out
 
     def load_model_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        """From full tensors (each rank copies the slices it owns)."""
         self.synchronize()
         for u in self.units:
-            for (fqn, p), o in zip(u.params, u.offsets):
+            for fqn, _ in u.params:
                 if fqn not in sd:
                     raise ConfigError(f"checkpoint: missing key {fqn!r}")
-                # the master may be the pinned compute copy and the source a GPU tensor
-                self._xfer(u.master.data, o, o + p.numel(), sd[fqn].reshape(-1), to_host=True, non_blocking=False)
+            self._load_shard(u, u.master.data, sd, lambda fqn: fqn)
             self._refresh_compute(u)
 
     def _refresh_compute(self, u: Unit) -> None:
@@ -632,13 +758,16 @@ class OffloadEngine:
             if not _same(u.w_host, u.master):
                 u.w_host.copy_(u.master.data)
             if u.mode == "host_opt":
-                self._xfer(u.w_host, 0, u.numel, u.w, to_host=False, non_blocking=False)
+                self._xfer(u.w_host, 0, u.sn, u.w[u.lo:], to_host=False, non_blocking=False)
+                if u.sharded:
+                    all_gather_flat(u.w, u.w[u.lo:u.lo + u.sn], self.group)
             elif u.slot is not None:
                 u.slot.owner, u.slot = None, None
 
     def optimizer_state_dict(self) -> dict:
         """Flattened like torch.distributed.checkpoint's get_optimizer_state_dict:
-        state.<fqn>.{step,exp_avg,exp_avg_sq} and param_groups.<fqn>.<option>."""
+        state.<fqn>.{step,exp_avg,exp_avg_sq} and param_groups.<fqn>.<option>. With data
+        parallelism the moments are all-gathered: every rank returns the full tensors."""
         self.synchronize()
         out = {}
         for u in self.units:
@@ -652,11 +781,10 @@ class OffloadEngine:
                 }
             st = u.opt.state[u.master]
             group = {k: v for k, v in u.opt.param_groups[0].items() if k != "params"}
-            for fqn, p, _ in self._views(u, u.master.data):
-                o = u.offsets[[q is p for _, q in u.params].index(True)]
-                for k in ("exp_avg", "exp_avg_sq"):
-                    if k in st:
-                        out[f"state.{fqn}.{k}"] = st[k][o:o + p.numel()].view(p.shape)
+            full = {k: self._full(u, st[k]) for k in ("exp_avg", "exp_avg_sq") if k in st}
+            for (fqn, p), o in zip(u.params, u.offsets):
+                for k, flat in full.items():
+                    out[f"state.{fqn}.{k}"] = flat[o:o + p.numel()].view(p.shape)
                 if "step" in st:
                     out[f"state.{fqn}.step"] = st["step"]
                 for k, v in group.items():
@@ -672,9 +800,8 @@ class OffloadEngine:
                 continue
             st = {"step": torch.as_tensor(sd[f"state.{fqn0}.step"], dtype=torch.float32).clone().reshape(())}
             for k in ("exp_avg", "exp_avg_sq"):
-                flat = torch.zeros_like(u.master.data)
-                for fqn, p, v in self._views(u, flat):
-                    v.copy_(sd[f"state.{fqn}.{k}"].reshape(v.shape))
+                flat = torch.zeros_like(u.master.data)  # this rank's shard, zero padding
+                self._load_shard(u, flat, sd, lambda fqn: f"state.{fqn}.{k}")
                 st[k] = flat
             u.opt.state[u.master] = st
             for k in ("lr", "betas", "eps"):  # weight decay stays per parameter (see _decay)
@@ -710,6 +837,7 @@ class OffloadEngine:
                 add("compute", u.w)
                 add("grads", u.g)
             add("grad_acc", u.gacc_dev)  # host units accumulating on the GPU
+            add("shards", u.gsh)  # data parallelism: the reduce-scattered grad shard
             if u.mode == "gpu":  # host units keep these on the host
                 add("grad_acc", u.gacc)
                 add("master", u.master.data)
