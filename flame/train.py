@@ -152,7 +152,9 @@ class Trainer(Stateful):
         self.model = model
 
         # DDP (replicate) averages gradients; the loss is already normalized by global tokens.
-        self.loss_scale = pd.dp_replicate if (pd.dp_replicate_enabled and not pd.fsdp_enabled) else 1
+        # The offload engine sums over the ranks (as FSDP does here), whatever the DP layout.
+        self.loss_scale = pd.dp_replicate if (pd.dp_replicate_enabled and not pd.fsdp_enabled
+                                              and self.offload is None) else 1
         self.amp = (
             dist_utils.maybe_enable_amp(pd, t.mixed_precision_param, self.device.type)
             if self.offload is None and TORCH_DTYPE_MAP[t.mixed_precision_param] != torch.float32

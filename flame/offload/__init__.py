@@ -71,11 +71,24 @@ def build_plan(model, job_config, device, world: int = 1):
         # one real block timed at the run's shapes: scales the FLOP-based compute times
         fudge = measure_block_fudge(model.config, costs, prof, mb, seq, cdt)["fudge"]
     plan = solve(costs, prof, dt, gpu, host, mb, rounds, threads, depths, off.overrides,
-                 allow_offload=off.enable != "off", fudge=fudge)
+                 allow_offload=off.enable != "off", fudge=fudge, world=world)
     plan.predicted["compute_fudge"] = fudge
     if off.save_plan:
         plan.save(off.save_plan)
     return plan, costs, prof
+
+
+def check_parallel_dims(parallel_dims) -> None:
+    """The engine shards its host state over data-parallel ranks only (every rank one shard of
+    the same model): one-line ConfigError for tensor, pipeline or context parallelism."""
+    if parallel_dims is None:
+        return
+    for attr, option in (("tp", "tensor_parallel_degree"), ("pp", "pipeline_parallel_degree"),
+                         ("cp", "context_parallel_degree")):
+        degree = int(getattr(parallel_dims, attr, 1) or 1)
+        if degree > 1:
+            raise ConfigError(f"offload: parallelism.{option} {degree}: the offload engine composes with "
+                              "data parallelism only (set it to 1 or offload.enable=off)")
 
 
 def apply_offload(model, job_config, parallel_dims, device):
@@ -92,6 +105,7 @@ def apply_offload(model, job_config, parallel_dims, device):
     if off.enable == "off":
         return None
     world = int(getattr(parallel_dims, "world_size", 1) or 1) if parallel_dims is not None else 1
+    check_parallel_dims(parallel_dims)
     if any(p.device.type == "meta" for p in model.parameters()):
         raise ConfigError("offload: the model must be materialized (init on CPU) before apply_offload")
     plan, costs, _ = build_plan(model, job_config, device, world)
@@ -99,9 +113,9 @@ def apply_offload(model, job_config, parallel_dims, device):
     if off.enable == "auto" and not plan.offloads:
         logger.info("offload: everything fits, plain run\n%s", text)
         return None
-    if world > 1:
-        raise ConfigError(f"offload: world size {world}: the offload engine runs one GPU per job for now "
-                          "(set offload.enable=off or use 1 GPU)")
+    if plan.world != world:  # placement only: the engine shards over the job's ranks anyway
+        logger.warning("offload: the plan was made for %d rank(s), the job has %d: its memory "
+                       "prediction is per rank of %d", plan.world, world, plan.world)
     from flame.components.optimizer import param_groups
 
     no_decay_ids = {id(p) for g in param_groups(model, 1.0, list(_get(job_config, "optimizer.no_weight_decay", [])))

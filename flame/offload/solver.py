@@ -43,6 +43,8 @@ class Plan:
     """Per block: with rounds > 1, a host block's grads accumulate in a GPU buffer over the rounds
     and go to the host once a step (else every round, added on the CPU). Missing: host."""
     outer_gpu_acc: bool = False
+    world: int = 1
+    """Data-parallel ranks the plan was made for (host state sharded over them; bytes per rank)."""
 
     @property
     def offloads(self) -> bool:
@@ -128,7 +130,7 @@ def _apply(layer_modes, layer_acts, ov):
 
 def solve(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, gpu_budget: int, host_budget: int,
           micro_batch: int, rounds: int, cpu_threads: int, depths=(1, 2, 3), overrides: list[str] | None = None,
-          allow_offload: bool = True, fudge: float = 1.0) -> Plan:
+          allow_offload: bool = True, fudge: float = 1.0, world: int = 1) -> Plan:
     """The fastest plan whose predicted peak GPU and host bytes fit the budgets.
 
     Raises ConfigError naming what is missing when nothing fits (before anything is allocated)."""
@@ -153,7 +155,7 @@ def solve(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, gpu_budget: int,
                             acts = spread(n, {"recompute": k, "keep": n - k})
                             modes, acts = _apply(list(base_modes), acts, ov)
                             return modes, acts, predict(costs, prof, dt, modes, acts, outer, depth, micro_batch, rounds,
-                                                        cpu_threads, fudge, accs, outer_acc)
+                                                        cpu_threads, fudge, accs, outer_acc, world)
 
                         lo, hi = 0, n
                         m_hi = at(hi)
@@ -175,7 +177,7 @@ def solve(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, gpu_budget: int,
                         if best is None or p.step_s < best[0] - 1e-12:
                             plan = Plan(modes, acts, outer, depth, micro_batch, costs.seq_len, rounds, cpu_threads,
                                         asdict(dt), gpu_budget, host_budget, _pred_dict(p, costs, micro_batch, rounds, prof),
-                                        layer_gpu_acc=accs, outer_gpu_acc=outer_acc)
+                                        layer_gpu_acc=accs, outer_gpu_acc=outer_acc, world=world)
                             best = (p.step_s, plan)
     if best is None:
         if min_gpu is None or min_gpu > gpu_budget:
@@ -238,7 +240,8 @@ def describe(plan: Plan, costs: ModelCosts) -> str:
     pr = plan.predicted
     accs = plan.unit_accs()
     lines = [f"offload plan: {len(plan.layer_modes)} blocks ({costs.layer_class}), micro-batch {plan.micro_batch}x{plan.seq_len}, "
-             f"{plan.rounds} round(s)/step, prefetch depth {plan.prefetch_depth}, CPU threads {plan.cpu_threads}",
+             f"{plan.rounds} round(s)/step, prefetch depth {plan.prefetch_depth}, CPU threads {plan.cpu_threads}"
+             + (f", host state sharded over {plan.world} ranks (bytes per rank)" if plan.world > 1 else ""),
              f"  dtypes: {plan.dtypes}",
              f"  outer (embeddings/norm/head, {costs.outer.numel / 1e6:.0f}M params): {plan.outer_mode}"
              + ("; grads accumulated on GPU" if accs[0] else "")]
