@@ -137,7 +137,11 @@ def run_fsdp2_offload(cfg, mb, seq, rounds, steps):
         opt.zero_grad()
 
     torch.cuda.reset_peak_memory_stats()
-    s = timed(step, 1, steps)
+    t = time.perf_counter()
+    step()  # warm-up step, timed: if the row is killed later, it bounds the steady step from above
+    torch.cuda.synchronize()
+    _partial({"warmup_step_s": time.perf_counter() - t, "tokens_per_step": mb * seq * rounds})
+    s = timed(step, 0, steps)
     out = {"step_s": s, "tokens_per_s": mb * seq * rounds / s, "peak_gpu_bytes": torch.cuda.max_memory_allocated()}
     del model, opt
     torch.cuda.empty_cache()
@@ -216,10 +220,11 @@ def run_engine(cfg, prof, dt, cap_gib, mb, seq, rounds, steps, model_dtype):
 # min(cap, what is left of --budget_s) and is killed past it, so the script fits one device call.
 A_MB, A_SEQ = 1, 4096
 ROWS = {
-    "a_offload_16GiB": 170,
-    "a_resident": 90,
-    "a_fsdp2_cpu_offload": 130,
-    "b_8B_bf16_24GiB": 170,
+    "a_offload_16GiB": 130,
+    "a_offload_16GiB_bf16_grads": 120,
+    "a_resident": 60,
+    "a_fsdp2_cpu_offload": 150,
+    "b_8B_bf16_24GiB": 130,
 }
 
 
@@ -232,6 +237,10 @@ def run_row(name: str, args) -> dict:
     r = args.a_rounds
     if name == "a_offload_16GiB":
         return run_engine(llama("3B"), prof, fp32, 16, A_MB, A_SEQ, r, args.steps, torch.float32)
+    if name == "a_offload_16GiB_bf16_grads":
+        # fp32 master and moments, bf16 gradients: every block's accumulator fits on the GPU
+        return run_engine(llama("3B"), prof, Dtypes("bfloat16", "float32", "bfloat16", "float32"), 16, A_MB, A_SEQ, r,
+                          args.steps, torch.float32)
     if name == "a_resident":
         return run_resident(llama("3B"), A_MB, A_SEQ, r, args.steps)
     if name == "a_fsdp2_cpu_offload":
@@ -241,7 +250,18 @@ def run_row(name: str, args) -> dict:
     raise ValueError(name)
 
 
+PARTIAL = {"path": ""}
+
+
+def _partial(d: dict) -> None:
+    """Write what a row measured so far (read back by the parent if the row is killed)."""
+    if PARTIAL["path"]:
+        with open(PARTIAL["path"], "w") as f:
+            json.dump({"partial": d}, f)
+
+
 def child(args) -> None:
+    PARTIAL["path"] = args.child_out
     t = time.perf_counter()
     try:
         out = run_row(args.child, args)
@@ -265,7 +285,11 @@ def spawn(name: str, args, timeout: float) -> dict:
     try:
         proc = subprocess.run(cmd, timeout=timeout)
     except subprocess.TimeoutExpired:
-        return {"skipped": f"killed after {timeout:.0f} s (time budget)"}
+        out = {"skipped": f"killed after {timeout:.0f} s (time budget)"}
+        if os.path.exists(path):
+            with open(path) as f:
+                out.update(json.load(f))
+        return out
     if not os.path.exists(path):
         return {"error": f"row process exited {proc.returncode} without a result", "wall_s": time.perf_counter() - t}
     with open(path) as f:
@@ -321,6 +345,18 @@ def main():
         summ["a_offload_vs_resident"] = a["tokens_per_s"] / r["tokens_per_s"]
     if "tokens_per_s" in a and "tokens_per_s" in f:
         summ["a_offload_vs_fsdp2_offload"] = a["tokens_per_s"] / f["tokens_per_s"]
+    a2 = res.get("a_offload_16GiB_bf16_grads", {})
+    if "tokens_per_s" in a2 and "tokens_per_s" in r:
+        summ["a_bf16_grads_vs_resident"] = a2["tokens_per_s"] / r["tokens_per_s"]
+    if "tokens_per_s" in a2 and "tokens_per_s" in f:
+        summ["a_bf16_grads_vs_fsdp2_offload"] = a2["tokens_per_s"] / f["tokens_per_s"]
+    fw = f.get("partial", {}).get("warmup_step_s")
+    if fw and "tokens_per_s" not in f:
+        # killed FSDP2 row: its steady step is at most its warm-up step, so these ratios (ours over
+        # FSDP2 at its warm-up speed) are upper bounds of the true ones
+        for key, row in (("a_offload_vs_fsdp2_upper_bound", a), ("a_bf16_grads_vs_fsdp2_upper_bound", a2)):
+            if "tokens_per_s" in row:
+                summ[key] = row["tokens_per_s"] * fw / (A_MB * A_SEQ * args.a_rounds)
     b = res.get("b_8B_bf16_24GiB", {})
     if "useful_tflops" in b:
         summ["b_fraction_of_ceiling"] = b["useful_tflops"] / ceiling
