@@ -6,7 +6,10 @@ peak GPU/host/pinned bytes and the binding constraint. Needs no GPU. Exits 2 wit
 ("offload: needs 31.2 GiB host, budget 24.0") when nothing fits, before allocating anything.
 
 Reads from the TOML: [model] config (HF/FLA config JSON path or directory), [training]
-local_batch_size, seq_len, global_batch_size (rounds = global / local when set), and [offload].
+local_batch_size, seq_len, global_batch_size (rounds = global / (local * ranks) when set),
+[parallelism] data_parallel_shard_degree and data_parallel_replicate_degree (their product is
+the number of data-parallel ranks the host state is sharded over and the plan is made per rank
+for; -1 or unset counts as 1: give the degrees explicitly), and [offload].
 """
 
 from __future__ import annotations
@@ -94,7 +97,11 @@ def plan_for(cfg: dict) -> tuple[Plan, ModelCosts, Offload]:
     mb = int(tr.get("local_batch_size", 1))
     seq = int(tr.get("seq_len", 2048))
     gb = int(tr.get("global_batch_size", -1) or -1)
-    rounds = max(1, gb // mb) if gb > 0 else 1
+    par = cfg.get("parallelism", {})
+    world = 1
+    for k in ("data_parallel_shard_degree", "data_parallel_replicate_degree"):
+        world *= max(1, int(par.get(k, 1)))
+    rounds = max(1, gb // (mb * world)) if gb > 0 else 1
     if off.plan != "auto":
         plan = Plan.load(off.plan)
         return plan, None, off
@@ -111,7 +118,8 @@ def plan_for(cfg: dict) -> tuple[Plan, ModelCosts, Offload]:
     threads = off.cpu_threads or max(1, prof.cpu_cores - 1)
     dt = Dtypes(off.compute_dtype, off.master_dtype, off.grad_dtype, off.moment_dtype)
     depths = (off.prefetch_depth,) if off.prefetch_depth else (1, 2, 3)
-    plan = solve(costs, prof, dt, gpu, host, mb, rounds, threads, depths, off.overrides, allow_offload=off.enable != "off")
+    plan = solve(costs, prof, dt, gpu, host, mb, rounds, threads, depths, off.overrides, allow_offload=off.enable != "off",
+                 world=world)
     if off.save_plan:
         plan.save(off.save_plan)
     return plan, costs, off

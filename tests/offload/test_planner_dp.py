@@ -98,3 +98,22 @@ def test_only_data_parallelism_composes(attr, option):
     dims[attr] = 2
     with pytest.raises(ConfigError, match=f"parallelism.{option} 2"):
         check_parallel_dims(SimpleNamespace(**dims))
+
+
+def test_cli_plans_per_rank(tmp_path, capsys):
+    from transformers import LlamaConfig
+
+    from flame.offload import plan as cli
+    from flame.offload.profile import save
+
+    save(prof(), str(tmp_path / "prof.json"))
+    cfg = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4, vocab_size=1000)
+    cfg.save_pretrained(tmp_path / "m")
+    args = ["--model.config", str(tmp_path / "m"), "--training.seq_len", "512", "--training.global_batch_size", "8",
+            "--offload.profile", str(tmp_path / "prof.json"), "--offload.overrides", "weights[*]=host"]
+    one, _, _ = cli.plan_for(cli._parse(args))
+    two, _, _ = cli.plan_for(cli._parse(args + ["--parallelism.data_parallel_shard_degree", "2"]))
+    assert (one.world, one.rounds, two.world, two.rounds) == (1, 8, 2, 4)
+    assert two.predicted["peak_host_bytes"] < one.predicted["peak_host_bytes"]
+    assert cli.main(args + ["--parallelism.data_parallel_shard_degree", "2"]) == 0
+    assert "sharded over 2 ranks" in capsys.readouterr().out
