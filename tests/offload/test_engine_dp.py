@@ -28,6 +28,8 @@ CASES = [
     ("r1_bf16_chunk7", "host_opt", 1, (), False, False, MIXED),  # grad conversion in 7-element chunks
 ]
 STEPS = 3
+RESUMED = ("r1", "r2_gpu_acc")
+OTHER = ["gpu", "stream", "host_opt", "stream"]  # another plan to resume in
 
 
 def tiny_odd(seed=0, tie=False):
@@ -80,6 +82,12 @@ def _worker(rank, init, out):
                            u.g_stage.numel() if u.mode != "gpu" else None, u.gacc.numel(),
                            u.opt.state[u.master]["exp_avg"].numel(), (u.lo, u.sn, u.pn), u.mode) for u in eng.units}
         res[name] = {"losses": losses, "norms": norms, "shapes": shapes}
+        if name in RESUMED:  # the full state dict loaded back into 2 ranks (each takes its slices)
+            other = tiny_odd(seed=7, tie=tie)
+            again = _engine(other, plan(OTHER, ["keep"] * 4, "host_opt", rounds))
+            again.load_state_dict(sd)
+            res[name]["resumed"] = _train(other, again, batches(STEPS + 2, rounds, seed=4)[STEPS:], rounds, rank, WORLD)[0]
+            again.close()
         if rank == 0:
             res[name]["sd"] = sd
         eng.close()
@@ -167,7 +175,7 @@ def test_each_rank_holds_its_shard_of_the_host_state(dp_runs):
             assert los == [r * sn for r in range(WORLD)]
 
 
-@pytest.mark.parametrize("name", ["r1", "r2_gpu_acc"])
+@pytest.mark.parametrize("name", RESUMED)
 def test_sharded_checkpoint_has_plain_names_values_and_continues_in_one_rank(dp_runs, name):
     case = next(c for c in CASES if c[0] == name)
     _, outer, rounds, accs, outer_acc, tie, _ = case
@@ -186,11 +194,14 @@ def test_sharded_checkpoint_has_plain_names_values_and_continues_in_one_rank(dp_
             torch.testing.assert_close(sd["optimizer"][f"state.{names[p]}.{k}"], st[k], rtol=1e-4, atol=1e-8)
     # a one-rank engine (another plan) loads it and continues as the plain run does
     other = tiny_odd(seed=7, tie=tie)
-    eng = _engine(other, plan(["gpu", "stream", "host_opt", "stream"], ["keep"] * 4, "host_opt", rounds))
+    eng = _engine(other, plan(OTHER, ["keep"] * 4, "host_opt", rounds))
     eng.load_state_dict(sd)
     got, _ = _train(other, eng, b[STEPS:], rounds)
     want = run(b[STEPS:])[STEPS:]
     assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+    # and 2 ranks loading it (each its slices) continue the same way
+    for r in range(WORLD):
+        assert dp_runs[r][name]["resumed"] == pytest.approx(want, rel=1e-5, abs=1e-6)
 
 
 def test_collectives_native_and_fallback_agree(dp_runs):
