@@ -46,17 +46,17 @@ def _engine(model, p, **kw):
                          no_decay={"model.norm.weight"}, **kw)
 
 
-def _train(model, eng, steps, rounds, rank=0, world=1):
+def _train(model, eng, steps, rounds, rank=0, world=1, dev=None):
     """Each micro-batch's rows split over the ranks; the loss of a rank is its share of the
     global mean (equal token counts), so the ranks' grads sum to the global batch's."""
     losses, norms = [], []
     for step in steps:
-        tot = torch.zeros(())
+        tot = torch.zeros((), device=dev)
         for ids in step:
-            rows = ids.chunk(world)[rank]
+            rows = ids.chunk(world)[rank].to(dev or ids.device)
             l = loss_of(model, rows) / rounds / world
             l.backward()
-            tot += l.detach()
+            tot += l.detach().float()
         if world > 1:
             dist.all_reduce(tot)
         norm, _ = eng.optimizer_step(0.5, True)

@@ -14,28 +14,11 @@ import torch.multiprocessing as mp
 
 from flame.offload.runtime.engine import OffloadEngine
 from test_engine_cpu import F32, MIXED, batches, loss_of, plan
-from test_engine_dp import ACTS, LR, MODES, STEPS, WORLD, _ref, tiny_odd
+from test_engine_dp import ACTS, LR, MODES, STEPS, WORLD, _ref, _train, tiny_odd
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 CASES = [("r1", 1, (), False, F32), ("r2_gpu_acc", 2, (True,) * 4, True, F32), ("r2_host_acc", 2, (), False, F32),
          ("r1_bf16", 1, (), False, MIXED)]
-
-
-def _run(model, eng, steps, rounds, rank, world, dev):
-    losses, norms = [], []
-    for step in steps:
-        tot = torch.zeros((), device=dev)
-        for ids in step:
-            l = loss_of(model, ids.chunk(world)[rank].to(dev)) / rounds / world
-            l.backward()
-            tot += l.detach().float()
-        if world > 1:
-            dist.all_reduce(tot)
-        norm, _ = eng.optimizer_step(0.5, True)
-        eng.zero_grad()
-        losses.append(float(tot))
-        norms.append(float(norm))
-    return losses, norms
 
 
 def _engine(model, p, dev):
@@ -51,7 +34,7 @@ def _worker(rank, init, out):
     for name, rounds, accs, outer_acc, dts in CASES:
         model = tiny_odd(seed=3)
         eng = _engine(model, plan(MODES, ACTS, "host_opt", rounds, accs=accs, outer_acc=outer_acc, dtypes=dts), dev)
-        losses, norms = _run(model, eng, batches(STEPS, rounds, seed=4), rounds, rank, WORLD, dev)
+        losses, norms = _train(model, eng, batches(STEPS, rounds, seed=4), rounds, rank, WORLD, dev)
         sd = eng.state_dict()
         host = [(u.numel, u.sn, u.w_host.numel(), u.master.numel(), len(eng.pinned_ptrs) > 0)
                 for u in eng.units if u.mode != "gpu"]
@@ -89,7 +72,7 @@ def test_two_gpus_match_one_process(gpu_runs, case):
         m = tiny_odd(seed=3)
         dev = torch.device("cuda", 0)
         eng = _engine(m, plan(MODES, ACTS, "host_opt", rounds, dtypes=dts), dev)
-        want, want_norms = _run(m, eng, b, rounds, 0, 1, dev)
+        want, want_norms = _train(m, eng, b, rounds, 0, 1, dev)
         eng.close()
         for r in range(WORLD):
             assert gpu_runs[r][name]["losses"] == pytest.approx(want, abs=0.035)
