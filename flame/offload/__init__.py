@@ -54,10 +54,17 @@ def build_plan(model, job_config, device, world: int = 1):
         ffn = getattr(cfg, "intermediate_size", None) or 4 * d
         shapes = [(t, d, d), (t, ffn, d), (t, d, ffn), (t, cfg.vocab_size, d)]
         prof = measure(shapes)
-        save(prof, path)
+        if _rank() == 0:
+            save(prof, path)  # one writer: every rank measures, rank 0 caches
         logger.info("offload: hardware profile measured and cached at %s", path)
     else:
         raise ConfigError(f"offload.profile={path!r}: not found, and no GPU to measure one")
+    if world > 1 and _distributed() and not (prof.allgather_gbps and prof.reducescatter_gbps):
+        from flame.offload.profile import measure_collectives
+
+        prof.allgather_gbps, prof.reducescatter_gbps = measure_collectives(device)
+        logger.info("offload: all-gather %.1f GB/s, reduce-scatter %.1f GB/s (bus bandwidth, %d ranks)",
+                    prof.allgather_gbps, prof.reducescatter_gbps, world)
     total = torch.cuda.get_device_properties(device).total_memory if torch.device(device).type == "cuda" else prof.gpu_total_bytes
     gpu = gpu_budget_bytes(off.gpu_memory_gib, off.gpu_margin_gib, total)
     host = host_budget_bytes(off.host_memory_gib, off.host_margin_gib)
@@ -76,6 +83,31 @@ def build_plan(model, job_config, device, world: int = 1):
     if off.save_plan:
         plan.save(off.save_plan)
     return plan, costs, prof
+
+
+def _distributed() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if _distributed() else 0
+
+
+def agree_on_plan(plan):
+    """Rank 0's plan for every rank. Each rank measures its own profile and block timing, so
+    their plans may differ by a hair; the sharded engine needs the same units, modes and rounds
+    on every rank (its collectives would otherwise mismatch)."""
+    if not _distributed():
+        return plan
+    import torch.distributed as dist
+
+    box = [plan if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def check_parallel_dims(parallel_dims) -> None:
@@ -109,6 +141,7 @@ def apply_offload(model, job_config, parallel_dims, device):
     if any(p.device.type == "meta" for p in model.parameters()):
         raise ConfigError("offload: the model must be materialized (init on CPU) before apply_offload")
     plan, costs, _ = build_plan(model, job_config, device, world)
+    plan = agree_on_plan(plan)
     text = describe(plan, costs) if costs is not None else f"replayed plan {off.plan}: {plan.predicted}"
     if off.enable == "auto" and not plan.offloads:
         logger.info("offload: everything fits, plain run\n%s", text)

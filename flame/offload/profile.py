@@ -210,6 +210,42 @@ def measure(gemm_shapes: list[tuple[int, int, int]] | None = None, device: str =
     )
 
 
+def measure_collectives(device, group=None, nbytes: int = 1 << 27, iters: int = 3) -> tuple[float, float]:
+    """Bus bandwidth in GB/s of the engine's all-gather and reduce-scatter over `group` (the
+    inverse of cost_model.collective_s: (world - 1) / world * bytes / seconds), on `nbytes`
+    buffers of bf16. Collective: every rank of `group` must call it; all get the same numbers
+    (the slowest rank's time)."""
+    import torch.distributed as dist
+
+    from flame.offload.runtime.collectives import all_gather_flat, comm_device, reduce_scatter_flat
+
+    world = dist.get_world_size(group)
+    dev = comm_device(group, torch.device(device))
+    n = max(world, (nbytes // 2 // world) * world)
+    full = torch.zeros(n, dtype=torch.bfloat16, device=dev)
+    shard = torch.zeros(n // world, dtype=torch.bfloat16, device=dev)
+
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    def seconds(fn) -> float:
+        fn()
+        sync()
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        sync()
+        return (time.perf_counter() - t0) / iters
+
+    t = torch.tensor([seconds(lambda: all_gather_flat(full, shard, group)),
+                      seconds(lambda: reduce_scatter_flat(shard, full, group))], dtype=torch.float64, device=dev)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    busbytes = (world - 1) / world * n * 2
+    return busbytes / float(t[0]) / 1e9, busbytes / float(t[1]) / 1e9
+
+
 def main() -> None:
     """`python -m flame.offload.profile OUT.json`: measure and store a profile."""
     import sys
