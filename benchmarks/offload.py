@@ -149,7 +149,13 @@ def run_fsdp2_offload(cfg, mb, seq, rounds, steps):
 
 
 def run_engine(cfg, prof, dt, cap_gib, mb, seq, rounds, steps, model_dtype):
+    """One engine row. Under torchrun (section m) every rank runs it on its own GPU with its host
+    state sharded over the ranks; tokens/s is then global and memory is rank 0's."""
     from transformers import AutoModelForCausalLM
+
+    from flame.offload import agree_on_plan
+
+    world = dist_world()
 
     costs = measure_costs(meta_model(cfg, dtype=getattr(torch, dt.compute)), mb, seq)
     threads = max(1, len(os.sched_getaffinity(0)) - 1)
@@ -158,10 +164,13 @@ def run_engine(cfg, prof, dt, cap_gib, mb, seq, rounds, steps, model_dtype):
     host = prof.host_total_bytes - 16 * GiB
     cal = measure_block_fudge(cfg, costs, prof, mb, seq, getattr(torch, dt.compute))
     print("block calibration", cal, flush=True)
-    plan = solve(costs, prof, dt, int(cap_gib * GiB), host, mb, rounds, threads, depths=(1, 2, 3), fudge=cal["fudge"])
+    # per rank: the host (one machine) is shared by the ranks
+    plan = solve(costs, prof, dt, int(cap_gib * GiB), host // world, mb, rounds, threads // world, depths=(1, 2, 3),
+                 fudge=cal["fudge"], world=world)
+    plan = agree_on_plan(plan)
     text = describe(plan, costs)
     print(text, flush=True)
-    torch.manual_seed(0)
+    torch.manual_seed(0)  # the same initial weights on every rank
     t0 = time.perf_counter()
     mem = {"before_model": torch.cuda.memory_allocated()}  # what earlier work in this process left
     with torch.device("cuda"):
@@ -175,12 +184,13 @@ def run_engine(cfg, prof, dt, cap_gib, mb, seq, rounds, steps, model_dtype):
     mem["peak_during_construction"] = torch.cuda.max_memory_allocated()
     mem["after_engine"] = torch.cuda.memory_allocated()  # static: the engine's buffers (no moments yet)
     mem["report_after_engine"] = eng.memory_report()
-    ids = torch.randint(0, cfg.vocab_size, (mb, seq), device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(1 + dist_rank())  # each rank its own tokens
+    ids = torch.randint(0, cfg.vocab_size, (mb, seq), device="cuda", generator=g)
     losses = []
 
     def step():
         for _ in range(rounds):
-            l = loss_of(model, ids) / rounds
+            l = loss_of(model, ids) / rounds / world  # the ranks' grads sum to the global mean's
             l.backward()
         n, _ = eng.optimizer_step(1.0, True)
         losses.append(float(n))
@@ -201,8 +211,10 @@ def run_engine(cfg, prof, dt, cap_gib, mb, seq, rounds, steps, model_dtype):
     # transient = what a step adds on top of the engine's own buffers (activations, loss, grads in flight)
     mem["peak_over_static"] = peak - mem["after_first_step"]
     pr = plan.predicted
-    out = {"step_s": s, "tokens_per_s": mb * seq * rounds / s, "peak_gpu_bytes": peak, "gpu_cap_bytes": int(cap_gib * GiB),
-           "setup_s": setup, "useful_tflops": pr["useful_tflops"] * pr["step_s"] / s,
+    out = {"step_s": s, "tokens_per_s": world * mb * seq * rounds / s, "world": world, "peak_gpu_bytes": peak,
+           "gpu_cap_bytes": int(cap_gib * GiB),
+           "setup_s": setup, "useful_tflops_per_gpu": pr["useful_tflops"] * pr["step_s"] / s,
+           "useful_tflops": pr["useful_tflops"] * pr["step_s"] / s,
            "predicted_step_s": pr["step_s"], "predicted_peak_gpu_bytes": pr["peak_gpu_bytes"],
            "step_error": s / pr["step_s"] - 1, "peak_error": peak / pr["peak_gpu_bytes"] - 1,
            "grad_norms": losses, "block_calibration": cal, "memory": mem,
@@ -225,11 +237,24 @@ ROWS = {
     "a_resident": 60,
     "a_fsdp2_cpu_offload": 150,
     "b_8B_bf16_24GiB": 130,
+    "m_8B_bf16_24GiB": 180,
 }
 
 
+def dist_world() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def dist_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
 def run_row(name: str, args) -> dict:
-    """One row, in this (child) process."""
+    """One row, in this (child) process (every rank's process for section m rows)."""
     from flame.offload.profile import load
 
     prof = load(os.path.join(args.out, "profile.json"))
@@ -245,7 +270,8 @@ def run_row(name: str, args) -> dict:
         return run_resident(llama("3B"), A_MB, A_SEQ, r, args.steps)
     if name == "a_fsdp2_cpu_offload":
         return run_fsdp2_offload(llama("3B"), A_MB, A_SEQ, r, 1)
-    if name == "b_8B_bf16_24GiB":
+    if name in ("b_8B_bf16_24GiB", "m_8B_bf16_24GiB"):
+        # m: the same per-GPU work on every GPU of the machine (weak scaling against b)
         return run_engine(llama("8B"), prof, bf16, 24, 1, 8192, 1, args.steps, torch.bfloat16)
     raise ValueError(name)
 
@@ -261,15 +287,26 @@ def _partial(d: dict) -> None:
 
 
 def child(args) -> None:
-    PARTIAL["path"] = args.child_out
+    multi = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if multi:  # section m under torchrun: one process per GPU, NCCL between them
+        import torch.distributed as dist
+
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl", device_id=torch.device("cuda", int(os.environ["LOCAL_RANK"])))
+    PARTIAL["path"] = args.child_out if dist_rank() == 0 else ""
     t = time.perf_counter()
     try:
         out = run_row(args.child, args)
     except Exception as e:
         out = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-3000:]}
     out["wall_s"] = time.perf_counter() - t
-    with open(args.child_out, "w") as f:
-        json.dump(out, f, indent=1)
+    if dist_rank() == 0:
+        with open(args.child_out, "w") as f:
+            json.dump(out, f, indent=1)
+    if multi:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
 
 
 def spawn(name: str, args, timeout: float) -> dict:
@@ -279,8 +316,12 @@ def spawn(name: str, args, timeout: float) -> dict:
     path = os.path.join(args.out, f"row_{name}.json")
     if os.path.exists(path):
         os.remove(path)
-    cmd = [sys.executable, os.path.abspath(__file__), args.out, "--child", name, "--child_out", path,
-           "--steps", str(args.steps), "--a_rounds", str(args.a_rounds)]
+    launcher = [sys.executable]
+    if name.startswith("m_"):  # every GPU of the machine, one process each
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    f"--nproc_per_node={torch.cuda.device_count()}"]
+    cmd = launcher + [os.path.abspath(__file__), args.out, "--child", name, "--child_out", path,
+                      "--steps", str(args.steps), "--a_rounds", str(args.a_rounds)]
     t = time.perf_counter()
     try:
         proc = subprocess.run(cmd, timeout=timeout)
@@ -300,7 +341,8 @@ def main():
     ap = argparse.ArgumentParser(description="Offload benchmark: every row in its own process; "
                                  "writes OUT/offload.json and OUT/offload.md.")
     ap.add_argument("out", help="output folder")
-    ap.add_argument("--sections", default="a,b", help="a (3B: engine, resident, FSDP2 offload), b (8B bf16 engine)")
+    ap.add_argument("--sections", default="a,b", help="a (3B: engine, resident, FSDP2 offload), b (8B bf16 engine), "
+                    "m (b on every GPU of the machine, host state sharded over the ranks: weak scaling vs b)")
     ap.add_argument("--steps", type=int, default=3, help="timed optimizer steps per engine/resident row")
     ap.add_argument("--a_rounds", type=int, default=8, help="micro-batches of 1x4096 tokens per step in (a)")
     ap.add_argument("--budget_s", type=float, default=520, help="wall budget of the whole script (rows are capped)")
@@ -360,6 +402,10 @@ def main():
     b = res.get("b_8B_bf16_24GiB", {})
     if "useful_tflops" in b:
         summ["b_fraction_of_ceiling"] = b["useful_tflops"] / ceiling
+    m = res.get("m_8B_bf16_24GiB", {})
+    if "tokens_per_s" in m and "tokens_per_s" in b:
+        summ["m_gpus"] = m["world"]
+        summ["m_weak_scaling_efficiency"] = m["tokens_per_s"] / (m["world"] * b["tokens_per_s"])
     summ["gemm_ceiling_tflops"] = ceiling
     res["summary"] = summ
     dump()
