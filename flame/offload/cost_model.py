@@ -187,19 +187,25 @@ class Prediction:
 
 
 def _flow(jobs, depth):
-    """Flow shop over jobs [(t_cpu, t_h2d, t_compute, t_d2h)] in order; returns makespan.
+    """Flow shop over jobs [(t_cpu, t_h2d, t_compute, t_d2h[, t_host_add])] in order; returns makespan.
 
-    H2D of job j waits for the slot freed by the compute of job j-depth-1 (prefetch depth)."""
-    f_cpu = f_h = f_c = f_d = 0.0
+    H2D of job j waits for the slot freed by the compute of job j-depth-1 (prefetch depth). The
+    optional last stage is the CPU worker adding a job's grads (after their D2H) into its host
+    accumulator; the phase ends when the last add has (the next micro-batch's D2H of the same
+    unit reuses the staging buffer)."""
+    f_cpu = f_h = f_c = f_d = f_e = 0.0
     comp_end = []
-    for j, (a, b, c, d) in enumerate(jobs):
+    for j, job in enumerate(jobs):
+        a, b, c, d = job[:4]
+        e = job[4] if len(job) > 4 else 0.0
         f_cpu = f_cpu + a
         slot = comp_end[j - depth - 1] if j - depth - 1 >= 0 else 0.0
         f_h = max(f_cpu, f_h, slot) + b if b else max(f_cpu, f_h)
         f_c = max(f_h, f_c) + c
         comp_end.append(f_c)
         f_d = max(f_c, f_d) + d if d else f_d
-    return max(f_c, f_d)
+        f_e = max(f_d, f_e) + e if e else f_e
+    return max(f_c, f_d, f_e)
 
 
 def unit_times(u: UnitCosts, prof: HardwareProfile, scale: float, fudge: float = 1.0) -> tuple[float, float]:
@@ -242,13 +248,21 @@ def predict(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, layer_modes, l
             for u, m in zip(units, modes)]
     rs_s = [collective_s(padded_numel(u.numel, world) * c, world, prof.reducescatter_gbps) if m != "gpu" else 0.0
             for u, m in zip(units, modes)]
-    # CPU work per host unit: the fused AdamW, the new compute copy when master != compute dtype
-    # (a read+write pass at the measured host memcpy rate), and for rounds > 1 one accumulate
-    # pass per micro-batch plus the grad-norm pass (none when the unit accumulates on the GPU)
+    # CPU work per host unit at the step's end: the fused AdamW, the new compute copy when master
+    # != compute dtype (a read+write pass at the measured host memcpy rate) and, for rounds > 1
+    # with host accumulation, the grad-norm pass over the accumulator
     conv = dt.master_extra and (dt.master_extra + c)
-    cpu_t = [n / cpu_rate + n * conv / memcpy if m != "gpu" else 0.0 for n, m in zip(sn, modes)]
-    acc_t = [(rounds * n * (c + g) + n * g) / memcpy if m != "gpu" and rounds > 1 and not a else 0.0
-             for n, m, a in zip(sn, modes, accs)]
+    host_acc = [m != "gpu" and rounds > 1 and not a for m, a in zip(modes, accs)]
+    cpu_t = [n / cpu_rate + n * conv / memcpy + (n * g / memcpy if h else 0.0) if m != "gpu" else 0.0
+             for n, m, h in zip(sn, modes, host_acc)]
+    # host accumulation, every micro-batch after the unit's D2H, on the CPU worker: the first
+    # copies the staged grads (read c, write g bytes/param), the others add: same dtype read c,
+    # read+write g; mixed dtypes convert a chunk into a scratch buffer first (+ write g, read g),
+    # see runtime.engine._host_add
+    add_bytes = c + 2 * g + (2 * g if c != g else 0)
+
+    def acc_s(j: int, r: int) -> float:
+        return sn[j] * (add_bytes if r else c + g) / memcpy if host_acc[j] else 0.0
     # GPU accumulation: one add per round into a separate accumulator (read grad and accumulator,
     # write accumulator) on the compute stream (sharded: always separate, the shard's size)
     add_t = [n * (c + 2 * g) / (prof.hbm_gbps * 1e9) if a and (world > 1 or gpu_acc_extra(m, dt)) else 0.0
@@ -266,8 +280,7 @@ def predict(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, layer_modes, l
             need = m == "stream" or (m == "host_opt" and r == 0)
             b = sn[j] * c if need else 0
             h2d_bytes += b
-            fw.append((cpu_t[j] + (acc_t[j] if r == 0 else 0.0) if r == 0 else 0.0, b / h2d + (ag_s[j] if need else 0.0),
-                       times[j][0], 0.0))
+            fw.append((cpu_t[j] if r == 0 else 0.0, b / h2d + (ag_s[j] if need else 0.0), times[j][0], 0.0))
             compute += times[j][0]
         total += _flow(fw, depth)
         bw = []
@@ -282,7 +295,7 @@ def predict(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, layer_modes, l
             d2h_bytes += d
             ct = times[k][1] + (times[k][0] if acts[k] == "recompute" else 0.0) + add_t[k]
             compute += ct
-            bw.append((0.0, b / h2d_bwd + (ag_s[k] if refetch else 0.0), ct + rs_s[k], d / d2h_bwd))
+            bw.append((0.0, b / h2d_bwd + (ag_s[k] if refetch else 0.0), ct + rs_s[k], d / d2h_bwd, acc_s(k, r)))
         total += _flow(bw, depth)
     gpu_params = sum(u.numel for u, m in zip(units, modes) if m == "gpu")
     total += gpu_params / (prof.gpu_adam_gparams * 1e9)

@@ -299,3 +299,24 @@ def test_skipped_step_with_gpu_accumulation_then_resumes():
         if not skipped:
             got.append(tot)
     assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.parametrize("chunk", [7, 1 << 22])
+def test_host_add_chunked_conversion_is_exact(monkeypatch, chunk):
+    """The CPU worker's grad add converts bf16 chunks into an fp32 scratch buffer before adding:
+    the same numbers as torch's (slow, unvectorized) mixed-dtype add, at any chunk boundary."""
+    import types
+
+    import flame.offload.runtime.engine as engine
+
+    monkeypatch.setattr(engine, "HOST_ADD_CHUNK", chunk)
+    g = torch.Generator().manual_seed(11)
+    acc = torch.randn(103, generator=g)
+    staged = torch.randn(103, generator=g).to(torch.bfloat16)
+    want = acc.clone().add_(staged)
+    holder = types.SimpleNamespace(_add_scratch=None)
+    engine.OffloadEngine._host_add(holder, acc, staged)
+    assert torch.equal(acc, want)
+    same = torch.randn(103, generator=g)
+    engine.OffloadEngine._host_add(holder, acc, same)  # same dtype: a plain add
+    assert torch.equal(acc, want + same)

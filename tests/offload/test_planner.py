@@ -1,5 +1,7 @@
 """Planner properties on CPU: budgets, monotonicity, infeasibility, plan files, cost arithmetic."""
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import LlamaConfig
@@ -56,6 +58,24 @@ def test_flow_shop_arithmetic():
     assert _flow([(0, 1, 2, 0), (0, 1, 2, 0)], 0) == 6
     # a CPU stage in front: 2 + max(...)
     assert _flow([(2, 1, 1, 0)], 1) == 4
+    # host adds after each D2H, on one CPU worker: compute 1, d2h 1, add 3 each -> adds end 5, 8
+    assert _flow([(0, 0, 1, 1, 3), (0, 0, 1, 1, 3)], 1) == 8
+    # adds shorter than the copies hide behind them: d2h ends 3, the last add 3.5
+    assert _flow([(0, 0, 1, 1, 0.5), (0, 0, 1, 1, 0.5)], 1) == 3.5
+
+
+def test_host_accumulation_charged_per_micro_batch(costs):
+    """Host accumulation costs a CPU pass per micro-batch (copy, then read-add-write): a step of R
+    rounds costs at least R x the accumulate time of the largest host unit's adds in the backward."""
+    p, dt, n = prof(), Dtypes(), len(costs.layers)
+    modes, acts = ["stream"] * n, ["recompute"] * n
+    slow = dataclasses.replace(p, host_memcpy_gbps=p.host_memcpy_gbps / 100)
+    for rounds in (2, 4):
+        fast_t = predict(costs, p, dt, modes, acts, "gpu", 1, 2, rounds, 15).step_s
+        slow_t = predict(costs, slow, dt, modes, acts, "gpu", 1, 2, rounds, 15).step_s
+        # bf16 staged, fp32 accumulator: convert into scratch (2 + 4) then add (4 + 4 + 4) bytes/param
+        adds = sum(u.numel for u in costs.layers) * (2 + 4 + 4 + 4 + 4) / (slow.host_memcpy_gbps * 1e9)
+        assert slow_t > fast_t and slow_t >= (rounds - 1) * adds
 
 
 def test_unit_bytes_by_hand():
