@@ -43,7 +43,9 @@ from flame.errors import ConfigError
 from flame.offload.cost_model import MEMORY_CATEGORIES
 from flame.offload.costs import find_blocks
 from flame.offload.runtime.collectives import all_gather_flat, comm_device, native, reduce_scatter_flat
+from flame.offload.runtime.state_dict import EngineStateDict
 from flame.offload.runtime.streams import PIN_PIECE_BYTES, Streams, piece_ranges, register_pinned, unregister_pinned
+from flame.offload.runtime.units import Unit, _same, _Slot
 from flame.offload.solver import Plan
 
 TOO_MANY_ROUNDS = ("offload: the plan has {} micro-batch(es) per step but the trainer ran more; "
@@ -53,62 +55,7 @@ CONV_CHUNK = 1 << 25  # elements per GPU conversion chunk (128 MiB in fp32)
 DT = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.data_ptr() == b.data_ptr() and a.dtype == b.dtype
-
-
-class Unit:
-    def __init__(self, idx: int, name: str, params: list[tuple[str, nn.Parameter]], mode: str, act: str):
-        self.idx, self.name, self.mode, self.act = idx, name, mode, act
-        self.params = params  # (fqn, param), unique params
-        self.offsets, off = [], 0
-        for _, p in params:
-            self.offsets.append(off)
-            off += p.numel()
-        self.numel = off
-        self.slot = None  # stream: the GPU slot holding the weights
-        self.gslot = None
-        self.ready = None  # event: weights on the GPU
-        self.g_free = None  # event: GPU grad buffer free again
-        self.d2h_done = None
-        self.cpu_done = threading.Event()
-        self.cpu_done.set()
-        self.stage_free = threading.Event()
-        self.stage_free.set()
-        self.count = 0
-        self.flushed = False
-        self.needs_h2d = False
-        self.gpu_acc = False  # grads accumulated on the GPU over the rounds (host units, rounds > 1)
-        self.gacc_dev = None
-        self.sent = False  # this step's accumulated grads went to the host
-        # data-parallel shard of the flat buffers (see the module doc): padded numel, shard numel,
-        # first owned element; the whole unit (pn = sn = numel, lo = 0) with one rank or in "gpu" mode
-        self.sharded = False
-        self.pn = self.sn = self.numel
-        self.lo = 0
-        self.gsh = None  # GPU shard the full grad is reduce-scattered into
-        self.gsh_free = None  # event: gsh read by its D2H
-
-    def owned(self, o: int, n: int) -> tuple[int, int] | None:
-        """[a, b): the part of flat range [o, o + n) this rank owns, in flat coordinates."""
-        a, b = max(o, self.lo), min(o + n, self.lo + self.sn)
-        return (a, b) if a < b else None
-
-    def bind(self, flat: torch.Tensor, grad: bool = False) -> None:
-        for (_, p), o in zip(self.params, self.offsets):
-            v = flat[o:o + p.numel()].view(p.shape)
-            if grad:
-                p.grad = v
-            else:
-                p.data = v
-
-
-class _Slot:
-    def __init__(self, buf):
-        self.buf, self.owner, self.free, self.last_use = buf, None, None, -1
-
-
-class OffloadEngine:
+class OffloadEngine(EngineStateDict):
     def __init__(self, model: nn.Module, plan: Plan, device: torch.device, lr: float = 1e-3,
                  betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0, description: str = "",
                  no_decay: set[str] | None = None, pin_piece_bytes: int = PIN_PIECE_BYTES, group=None):
@@ -708,132 +655,6 @@ class OffloadEngine:
             u.cpu_done.wait()
         if self.cuda:
             torch.cuda.synchronize()
-
-    # ------------------------------------------------------------------ state dict
-    def _views(self, u: Unit, flat: torch.Tensor):
-        for (fqn, p), o in zip(u.params, u.offsets):
-            yield fqn, p, flat[o:o + p.numel()].view(p.shape)
-
-    def _full(self, u: Unit, shard: torch.Tensor) -> torch.Tensor:
-        """The whole unit's flat values from every rank's shard (all-gathered: a collective all
-        ranks must enter, a transient of the full unit on the comm device and a full copy on the
-        host of every rank); the shard itself when the unit is not sharded."""
-        if not u.sharded:
-            return shard
-        out = torch.empty(u.pn, dtype=shard.dtype, device=self.comm_dev)
-        all_gather_flat(out, shard.to(self.comm_dev), self.group)
-        return out[:u.numel].to(shard.device)
-
-    def _load_shard(self, u: Unit, dst: torch.Tensor, sd: dict, key) -> None:
-        """dst (the unit's master or a moment, this rank's shard) from the full tensors of a
-        state dict: each parameter's owned slice; `key(fqn)` names the entry."""
-        for (fqn, p), o in zip(u.params, u.offsets):
-            ab = u.owned(o, p.numel())
-            if ab is None:
-                continue
-            if key(fqn) not in sd:
-                raise ConfigError(f"checkpoint: missing key {key(fqn)!r}")
-            src = sd[key(fqn)].reshape(-1)[ab[0] - o:ab[1] - o]
-            # the master may be the pinned compute copy and the source a GPU tensor
-            self._xfer(dst, ab[0] - u.lo, ab[1] - u.lo, src, to_host=True, non_blocking=False)
-
-    def model_state_keys(self) -> list[str]:
-        """The names model_state_dict returns (no gathering)."""
-        names = [name for u in self.units for _, p in u.params for name in self.fqns[id(p)]]
-        persistent = self.model.state_dict().keys()
-        return names + [name for name, _ in self.model.named_buffers() if name in persistent]
-
-    def model_state_dict(self) -> dict[str, torch.Tensor]:
-        """Master weights under the names `model.state_dict()` uses (tied names included). With
-        data parallelism every rank returns the full tensors (all-gathered unit by unit)."""
-        self.synchronize()
-        out = {}
-        for u in self.units:
-            for fqn, p, v in self._views(u, self._full(u, u.master.data)):
-                for name in self.fqns[id(p)]:
-                    out[name] = v
-        persistent = self.model.state_dict().keys()
-        for name, b in self.model.named_buffers():
-            if name in persistent:
-                out[name] = b
-        return out
-
-    def load_model_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        """From full tensors (each rank copies the slices it owns)."""
-        self.synchronize()
-        for u in self.units:
-            for fqn, _ in u.params:
-                if fqn not in sd:
-                    raise ConfigError(f"checkpoint: missing key {fqn!r}")
-            self._load_shard(u, u.master.data, sd, lambda fqn: fqn)
-            self._refresh_compute(u)
-
-    def _refresh_compute(self, u: Unit) -> None:
-        if u.mode == "gpu":
-            if not _same(u.w, u.master):
-                u.w.copy_(u.master.data)
-        else:
-            if not _same(u.w_host, u.master):
-                u.w_host.copy_(u.master.data)
-            if u.mode == "host_opt":
-                self._xfer(u.w_host, 0, u.sn, u.w[u.lo:], to_host=False, non_blocking=False)
-                if u.sharded:
-                    all_gather_flat(u.w, u.w[u.lo:u.lo + u.sn], self.group)
-            elif u.slot is not None:
-                u.slot.owner, u.slot = None, None
-
-    def optimizer_state_dict(self) -> dict:
-        """Flattened like torch.distributed.checkpoint's get_optimizer_state_dict:
-        state.<fqn>.{step,exp_avg,exp_avg_sq} and param_groups.<fqn>.<option>. With data
-        parallelism the moments are all-gathered: every rank returns the full tensors."""
-        self.synchronize()
-        out = {}
-        for u in self.units:
-            if not u.opt.state.get(u.master):
-                # DCP loads into the tensors this returns: before the first step they must exist.
-                # Zero moments at step 0 are exactly what AdamW starts from.
-                u.opt.state[u.master] = {
-                    "step": torch.zeros((), dtype=torch.float32, device=u.master.device),
-                    "exp_avg": torch.zeros_like(u.master.data),
-                    "exp_avg_sq": torch.zeros_like(u.master.data),
-                }
-            st = u.opt.state[u.master]
-            group = {k: v for k, v in u.opt.param_groups[0].items() if k != "params"}
-            full = {k: self._full(u, st[k]) for k in ("exp_avg", "exp_avg_sq") if k in st}
-            for (fqn, p), o in zip(u.params, u.offsets):
-                for k, flat in full.items():
-                    out[f"state.{fqn}.{k}"] = flat[o:o + p.numel()].view(p.shape)
-                if "step" in st:
-                    out[f"state.{fqn}.step"] = st["step"]
-                for k, v in group.items():
-                    out[f"param_groups.{fqn}.{k}"] = v
-                out[f"param_groups.{fqn}.weight_decay"] = 0.0 if fqn in self.no_decay else self.wd
-        return out
-
-    def load_optimizer_state_dict(self, sd: dict) -> None:
-        self.synchronize()
-        for u in self.units:
-            fqn0 = u.params[0][0]
-            if f"state.{fqn0}.exp_avg" not in sd:
-                continue
-            st = {"step": torch.as_tensor(sd[f"state.{fqn0}.step"], dtype=torch.float32).clone().reshape(())}
-            for k in ("exp_avg", "exp_avg_sq"):
-                flat = torch.zeros_like(u.master.data)  # this rank's shard, zero padding
-                self._load_shard(u, flat, sd, lambda fqn: f"state.{fqn}.{k}")
-                st[k] = flat
-            u.opt.state[u.master] = st
-            for k in ("lr", "betas", "eps"):  # weight decay stays per parameter (see _decay)
-                key = f"param_groups.{fqn0}.{k}"
-                if key in sd:
-                    u.opt.param_groups[0][k] = sd[key]
-
-    def state_dict(self) -> dict:
-        return {"model": self.model_state_dict(), "optimizer": self.optimizer_state_dict()}
-
-    def load_state_dict(self, sd: dict) -> None:
-        self.load_model_state_dict(sd["model"])
-        if "optimizer" in sd:
-            self.load_optimizer_state_dict(sd["optimizer"])
 
     def memory_report(self) -> dict[str, int]:
         """Bytes the engine holds on the compute device, by the categories of
