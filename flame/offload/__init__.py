@@ -12,6 +12,7 @@ import torch
 
 from flame.errors import ConfigError
 from flame.offload.config import Offload
+from flame.offload.runtime.collectives import multi_rank
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ def build_plan(model, job_config, device, world: int = 1):
         logger.info("offload: hardware profile measured and cached at %s", path)
     else:
         raise ConfigError(f"offload.profile={path!r}: not found, and no GPU to measure one")
-    if world > 1 and _distributed() and not (prof.allgather_gbps and prof.reducescatter_gbps):
+    if world > 1 and multi_rank() and not (prof.allgather_gbps and prof.reducescatter_gbps):
         from flame.offload.profile import measure_collectives
 
         prof.allgather_gbps, prof.reducescatter_gbps = measure_collectives(device)
@@ -85,23 +86,17 @@ def build_plan(model, job_config, device, world: int = 1):
     return plan, costs, prof
 
 
-def _distributed() -> bool:
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
 def _rank() -> int:
     import torch.distributed as dist
 
-    return dist.get_rank() if _distributed() else 0
+    return dist.get_rank() if multi_rank() else 0
 
 
 def agree_on_plan(plan):
     """Rank 0's plan for every rank. Each rank measures its own profile and block timing, so
     their plans may differ by a hair; the sharded engine needs the same units, modes and rounds
     on every rank (its collectives would otherwise mismatch)."""
-    if not _distributed():
+    if not multi_rank():
         return plan
     import torch.distributed as dist
 

@@ -15,6 +15,11 @@ import torch.distributed as dist
 NATIVE_BACKENDS = ("nccl", "xccl")
 
 
+def multi_rank() -> bool:
+    """torch.distributed is running with more than one rank."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 def native(group=None) -> bool:
     return dist.get_backend(group) in NATIVE_BACKENDS
 

@@ -42,7 +42,7 @@ from torch.utils.checkpoint import checkpoint
 from flame.errors import ConfigError
 from flame.offload.cost_model import MEMORY_CATEGORIES
 from flame.offload.costs import find_blocks
-from flame.offload.runtime.collectives import all_gather_flat, comm_device, native, reduce_scatter_flat
+from flame.offload.runtime.collectives import all_gather_flat, comm_device, multi_rank, native, reduce_scatter_flat
 from flame.offload.runtime.state_dict import EngineStateDict
 from flame.offload.runtime.streams import PIN_PIECE_BYTES, Streams, piece_ranges, register_pinned, unregister_pinned
 from flame.offload.runtime.units import Unit, _same, _Slot
@@ -64,7 +64,7 @@ class OffloadEngine(EngineStateDict):
         self.model, self.plan, self.device = model, plan, torch.device(device)
         import torch.distributed as dist
 
-        if group is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if group is None and multi_rank():
             group = dist.group.WORLD
         self.group = group
         self.world = dist.get_world_size(group) if group is not None else 1
@@ -418,10 +418,8 @@ class OffloadEngine(EngineStateDict):
             self.gpu_sq += torch.linalg.vector_norm(g, dtype=torch.float32).square()
         u.stage_free.wait()
         u.stage_free.clear()
-        cur = self.s.current()
-        with self.s.on(self.s.d2h):
-            if self.cuda:
-                self.s.d2h.wait_stream(cur)
+
+        def copy_out():
             if self.conv:
                 # convert on the GPU in chunks, copy each chunk out; the stream orders buffer reuse
                 n = self.conv[0].numel()
@@ -432,10 +430,8 @@ class OffloadEngine(EngineStateDict):
                     self._xfer(u.g_stage, a, b, buf, to_host=True)
             else:
                 self._xfer(u.g_stage, 0, u.sn, g, to_host=True)
-            if u.mode == "host_opt" and not u.sharded:
-                u.g.zero_()
-            u.d2h_done = self.s.record(self.s.d2h)
-        u.g_free = u.d2h_done
+
+        self._d2h(u, copy_out, u.g if u.mode == "host_opt" and not u.sharded else None)
         if u.sharded:
             u.gsh_free = u.d2h_done
         elif u.gslot is not None:
@@ -509,13 +505,20 @@ class OffloadEngine(EngineStateDict):
         norm computed on the GPU meanwhile (as with one round)."""
         u.sent = True
         self.gpu_sq += torch.linalg.vector_norm(u.gacc_dev, dtype=torch.float32).square()
+        # accumulated in its grad buffer: empty it for the next step once copied
+        self._d2h(u, lambda: self._xfer(u.g_stage, 0, u.sn, u.gacc_dev, to_host=True),
+                  u.g if u.gacc_dev is u.g else None)
+
+    def _d2h(self, u: Unit, copy_out, then_zero: torch.Tensor | None) -> None:
+        """Run `copy_out` (u's grads into its pinned staging buffer) on the D2H stream after the
+        compute stream's work so far, then zero `then_zero` there; record when it is done."""
         cur = self.s.current()
         with self.s.on(self.s.d2h):
             if self.cuda:
                 self.s.d2h.wait_stream(cur)
-            self._xfer(u.g_stage, 0, u.sn, u.gacc_dev, to_host=True)
-            if u.gacc_dev is u.g:  # accumulated in its grad buffer: empty it for the next step
-                u.g.zero_()
+            copy_out()
+            if then_zero is not None:
+                then_zero.zero_()
             u.d2h_done = self.s.record(self.s.d2h)
         u.g_free = u.d2h_done
 
