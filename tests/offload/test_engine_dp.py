@@ -2,7 +2,6 @@
 of one process on the global batch, holds 1/2 of the host state per rank, and writes checkpoints
 under a plain run's names that a one-rank engine continues from."""
 
-import copy
 import os
 
 import pytest
@@ -105,11 +104,15 @@ def _worker(rank, init, out):
     dist.destroy_process_group()
 
 
+def spawn_ranks(worker, d) -> list:
+    """Run worker(rank, init_file, out_dir) on WORLD processes; each rank's saved results."""
+    mp.spawn(worker, args=(str(d / "init"), str(d)), nprocs=WORLD, join=True)
+    return [torch.load(d / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
 @pytest.fixture(scope="module")
 def dp_runs(tmp_path_factory):
-    d = tmp_path_factory.mktemp("dp")
-    mp.spawn(_worker, args=(str(d / "init"), str(d)), nprocs=WORLD, join=True)
-    return [torch.load(d / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return spawn_ranks(_worker, tmp_path_factory.mktemp("dp"))
 
 
 def _ref(model, steps, rounds):

@@ -10,11 +10,10 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from flame.offload.runtime.engine import OffloadEngine
-from test_engine_cpu import F32, MIXED, batches, loss_of, plan
-from test_engine_dp import ACTS, LR, MODES, STEPS, WORLD, _ref, _train, tiny_odd
+from test_engine_cpu import F32, MIXED, batches, plan
+from test_engine_dp import ACTS, LR, MODES, STEPS, WORLD, _ref, _train, spawn_ranks, tiny_odd
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 CASES = [("r1", 1, (), False, F32), ("r2_gpu_acc", 2, (True,) * 4, True, F32), ("r2_host_acc", 2, (), False, F32),
@@ -48,9 +47,7 @@ def _worker(rank, init, out):
 
 @pytest.fixture(scope="module")
 def gpu_runs(tmp_path_factory):
-    d = tmp_path_factory.mktemp("dpgpu")
-    mp.spawn(_worker, args=(str(d / "init"), str(d)), nprocs=WORLD, join=True)
-    return [torch.load(d / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return spawn_ranks(_worker, tmp_path_factory.mktemp("dpgpu"))
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
