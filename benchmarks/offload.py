@@ -354,7 +354,8 @@ def main():
         child(args)
         return
     t_start = time.perf_counter()
-    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv),
+           "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "a_tokens_per_step": A_MB * A_SEQ * args.a_rounds, "a_rounds": args.a_rounds}
     path = os.path.join(args.out, "offload.json")
 
