@@ -3,6 +3,11 @@
 The interpreter must be switched on before triton.jit runs, so the checks run in a subprocess.
 Fixed 16x16 tiles are used when interpreting (no autotuning); float32 inputs (the interpreter
 mishandles bf16 in tl.dot).
+
+Inputs are fresh each run (the seed is printed on failure; FLAME_TEST_SEED replays one). For softpick
+and rectified, draws with a logit within 1e-4 of 0 are redrawn: the ReLU kink there makes the
+gradient discontinuous, and float32 rounding of q.k can land on the other side of it than float64
+(measured: a logit of -3e-9 gives 3e-3 relative error in dq/dk from that one element).
 """
 import os
 import subprocess
@@ -13,15 +18,28 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SCRIPT = r"""
+import math, os, zlib
 import torch
 from flame.ops.attention import naive_attention, parallel_attention
+
+SEED = int(os.environ["FLAME_TEST_SEED"])
+
+def clear_of_kink(q, k, mode):
+    if mode == "softmax":
+        return True
+    k = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)
+    s = torch.einsum("bihd,bjhd->bhij", q, k) / math.sqrt(q.shape[-1])
+    return s.abs().min().item() > 1e-4
 
 def rel(a, b):
     return ((a.double() - b).norm() / b.norm()).item()
 
 def check(B, T, HQ, HK, D, mode, cu=None, scale=1.0):
-    g = torch.Generator().manual_seed(hash((B, T, HQ, HK, D, mode)) % 2**31)
-    q, k = (torch.randn(B, T, h, D, generator=g, dtype=torch.float64) * scale for h in (HQ, HK))
+    g = torch.Generator().manual_seed(SEED + zlib.crc32(repr((B, T, HQ, HK, D, mode)).encode()))
+    while True:
+        q, k = (torch.randn(B, T, h, D, generator=g, dtype=torch.float64) * scale for h in (HQ, HK))
+        if clear_of_kink(q, k, mode):
+            break
     v = torch.randn(B, T, HK, D, generator=g, dtype=torch.float64)
     do = torch.randn(B, T, HQ, D, generator=g, dtype=torch.float64)
     ref_in = [x.clone().requires_grad_() for x in (q, k, v)]
@@ -31,7 +49,7 @@ def check(B, T, HQ, HK, D, mode, cu=None, scale=1.0):
     o = parallel_attention(*got_in, mode, cu_seqlens=cu)
     o.backward(do.float())
     errs = [rel(a, b) for a, b in zip([o] + [x.grad for x in got_in], [o_ref] + [x.grad for x in ref_in])]
-    assert max(errs) < 1e-5, (B, T, HQ, HK, D, mode, cu, errs)
+    assert max(errs) < 1e-5, ("seed", SEED, B, T, HQ, HK, D, mode, cu, errs)
     print("ok", mode, B, T, HQ, HK, D, None if cu is None else cu.tolist(), ["%.1e" % e for e in errs])
 
 for mode in ("softmax", "softpick", "rectified"):
@@ -44,7 +62,9 @@ check(1, 18, 1, 1, 256, "softpick")                                  # largest h
 
 
 def test_kernels_under_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    seed = os.environ.get("FLAME_TEST_SEED") or str(int.from_bytes(os.urandom(3), "little"))
+    env = dict(os.environ, TRITON_INTERPRET="1", FLAME_TEST_SEED=seed,
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     r = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     if r.returncode and "No module named 'triton'" in r.stderr:
         pytest.skip("triton is not installed")
