@@ -25,6 +25,7 @@ from torchtitan.tools.logging import init_logger, logger
 import torch.distributed._functional_collectives as funcol
 
 from flame.components.checkpoint import FlameCheckpointManager
+from flame.components.chunked_loss import chunked_head_loss, install_chunked_head, take_chunked_loss
 from flame.components.loss import IGNORE_INDEX, compiled_cross_entropy_sum, cross_entropy_sum
 from flame.components.metrics import MetricsLogger
 from flame.components.optimizer import build_optimizers, clip_grad_norm_
@@ -150,6 +151,9 @@ class Trainer(Stateful):
                 _init_like_one_process(model, self.model_config, seed, t.varlen)
         model.train()
         self.model = model
+        self.chunked_head = None
+        if t.loss_chunk_tokens:  # validated with the config (>= 0, no TP)
+            self.chunked_head = install_chunked_head(model, t.loss_chunk_tokens)
 
         # DDP (replicate) averages gradients; the loss is already normalized by global tokens.
         # The offload engine sums over the ranks (as FSDP does here), whatever the DP layout.
@@ -218,24 +222,33 @@ class Trainer(Stateful):
         os.replace(tmp, path)
 
     # -- one optimizer step --------------------------------------------------------------
-    def forward_logits(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits of one micro-batch and its labels in the same layout."""
-        labels = batch["labels"]
-        inputs = {"input_ids": batch["input_ids"]}
+    @staticmethod
+    def model_inputs(batch: dict) -> tuple[dict, torch.Tensor]:
+        """The model's keyword inputs for one micro-batch and its labels in the same token layout."""
         if "cu_seqlens" in batch:
             # packed documents: one row of B*T tokens, boundaries in cu_seqlens (FLA's form)
-            inputs = {
+            return {
                 "input_ids": batch["input_ids"].reshape(1, -1),
                 "position_ids": batch["position_ids"].reshape(1, -1),
                 "cu_seqlens": batch["cu_seqlens"],
-            }
+            }, batch["labels"].reshape(1, -1)
+        return {"input_ids": batch["input_ids"]}, batch["labels"]
+
+    def forward_logits(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits of one micro-batch and its labels in the same layout."""
+        inputs, labels = self.model_inputs(batch)
         with self.amp:
             logits = self.model(**inputs, use_cache=False).logits
-        return logits, labels.reshape(logits.shape[:-1])
+        return logits, labels
 
     def forward_loss_sum(self, batch: dict) -> torch.Tensor:
         """Sum of the token losses of one micro-batch (the caller normalizes)."""
-        return cross_entropy_sum(*self.forward_logits(batch))
+        if self.chunked_head is None:
+            return self.loss_fn(*self.forward_logits(batch))
+        inputs, labels = self.model_inputs(batch)
+        with chunked_head_loss(self.chunked_head, labels), self.amp:
+            out = self.model(**inputs, use_cache=False).logits
+        return take_chunked_loss(self.chunked_head, out)
 
     def _to_device(self, batch: dict) -> dict:
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items() if not k.startswith("_")}

@@ -62,6 +62,12 @@ class Training:
     varlen: bool = False
     """Pack documents back to back and pass ``cu_seqlens`` so attention never crosses documents."""
 
+    loss_chunk_tokens: int = 0
+    """When > 0: the output projection and the cross-entropy run together, this many tokens at a
+    time, so the [tokens, vocab] logits are never held whole (saves GPU memory with large
+    vocabularies; same result). Needs a plain Linear output layer whose result the model returns
+    unchanged, and no tensor parallelism. 0: ordinary logits + cross-entropy."""
+
     skip_nan_inf: bool = False
     """Skip the optimizer step when the gradient norm is NaN/Inf (the LR schedule does not advance)."""
 

@@ -1,0 +1,135 @@
+"""Output projection + cross-entropy in token chunks, never holding the whole [tokens, vocab] logits.
+
+With a 128K vocabulary the float32 logits of a 16K-token micro-batch are 8.4 GB, and eager
+cross-entropy keeps the log-softmax for the backward on top of that. Here the head matmul, the
+log-sum-exp and both gradients are computed chunk by chunk in the forward (the loss is the last
+op of the graph, so its incoming gradient is a scalar that only rescales them); the backward
+multiplies the stored gradients by that scalar. Peak extra memory: a few [chunk, vocab] float32
+tensors, the hidden-state gradient and a float32 accumulator of the head's weight gradient.
+Same FLOPs as the unchunked head (three matmuls per token).
+
+`install_chunked_head(model)` makes a model's output Linear compute the loss when given labels
+through `chunked_head_loss(...)`; outside that context it is the ordinary Linear, so generation,
+validation, probes and exports see real logits. The loss is computed inside the head module's
+forward, so FSDP2's unshard/reshard hooks and the offload engine's hooks see an ordinary call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from flame.components.loss import IGNORE_INDEX
+from flame.errors import ConfigError
+
+
+class _LinearCrossEntropySum(torch.autograd.Function):
+    """sum over valid tokens of CE(hidden @ weight.T + bias, labels); gradients made in the forward."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, chunk):
+        want = ctx.needs_input_grad
+        n = hidden.shape[0]
+        acc = torch.promote_types(hidden.dtype, torch.float32)  # float32, or float64 for checks
+        loss = torch.zeros((), device=hidden.device, dtype=acc)
+        dh = torch.empty_like(hidden) if want[0] else None
+        dw = torch.zeros(weight.shape, device=weight.device, dtype=acc) if want[1] else None
+        db = torch.zeros(weight.shape[0], device=weight.device, dtype=acc) if want[2] and bias is not None else None
+        for lo in range(0, n, chunk):
+            h, y = hidden[lo:lo + chunk], labels[lo:lo + chunk]
+            z = F.linear(h, weight, bias).to(acc)
+            valid = y != IGNORE_INDEX
+            safe = torch.where(valid, y, 0)
+            lse = torch.logsumexp(z, dim=-1)
+            picked = z.gather(1, safe[:, None]).squeeze(1)
+            loss += torch.where(valid, lse - picked, 0.0).sum()
+            if dh is None and dw is None and db is None:
+                continue
+            # d(sum CE)/dz = softmax(z) - onehot(label), zero on ignored tokens
+            g = torch.exp(z.sub_(lse[:, None]))
+            g.scatter_add_(1, safe[:, None], -valid[:, None].to(g.dtype))
+            g.mul_(valid[:, None])
+            gc = g.to(hidden.dtype)
+            del z, g
+            if dh is not None:
+                dh[lo:lo + chunk] = gc @ weight.to(hidden.dtype)
+            if dw is not None:
+                dw += (gc.t() @ h).to(acc)
+            if db is not None:
+                db += gc.to(acc).sum(0)
+        ctx.save_for_backward(*(t if t is not None else torch.empty(0) for t in (dh, dw, db)))
+        ctx.has = (dh is not None, dw is not None, db is not None)
+        ctx.dtypes = (weight.dtype, bias.dtype if bias is not None else None)
+        return loss
+
+    @staticmethod
+    def backward(ctx, gout):
+        dh, dw, db = ctx.saved_tensors
+        has_h, has_w, has_b = ctx.has
+        return (dh * gout.to(dh.dtype) if has_h else None,
+                (dw * gout).to(ctx.dtypes[0]) if has_w else None,
+                (db * gout).to(ctx.dtypes[1]) if has_b else None,
+                None, None)
+
+
+def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                             labels: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
+    """Sum of token cross-entropies of ``hidden @ weight.T (+ bias)`` over labels != IGNORE_INDEX,
+    computed ``chunk_tokens`` tokens at a time (float32 log-sum-exp whatever the input dtype)."""
+    if chunk_tokens <= 0:
+        raise ConfigError(f"training.loss_chunk_tokens {chunk_tokens}: must be positive")
+    return _LinearCrossEntropySum.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias,
+                                        labels.reshape(-1), int(chunk_tokens))
+
+
+def _head_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    labels = self._flame_chunk_labels
+    if labels is None:
+        return F.linear(x, self.weight, self.bias)
+    if x.shape[:-1] != labels.shape:
+        raise ValueError(f"chunked loss: head input {tuple(x.shape)} does not match labels {tuple(labels.shape)} "
+                         "(does the model slice its hidden states before the head?)")
+    loss = linear_cross_entropy_sum(x, self.weight, self.bias, labels, self._flame_chunk_tokens)
+    self._flame_chunk_loss = loss
+    return loss
+
+
+def install_chunked_head(model: nn.Module, chunk_tokens: int) -> nn.Linear:
+    """Let the model's output Linear compute the chunked loss (see module doc). Returns the head."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if type(head) is not nn.Linear:
+        raise ConfigError(f"training.loss_chunk_tokens {chunk_tokens}: the model's output layer is "
+                          f"{type(head).__name__}, not a plain nn.Linear")
+    if chunk_tokens <= 0:
+        raise ConfigError(f"training.loss_chunk_tokens {chunk_tokens}: must be positive")
+    head._flame_chunk_labels = None
+    head._flame_chunk_tokens = int(chunk_tokens)
+    head._flame_chunk_loss = None
+    head.forward = types.MethodType(_head_forward, head)
+    return head
+
+
+@contextlib.contextmanager
+def chunked_head_loss(head: nn.Linear, labels: torch.Tensor):
+    """Inside: the head returns the summed loss for ``labels`` (same layout as its input tokens)."""
+    head._flame_chunk_labels = labels
+    head._flame_chunk_loss = None
+    try:
+        yield head
+    finally:
+        head._flame_chunk_labels = None
+
+
+def take_chunked_loss(head: nn.Linear, model_output: torch.Tensor) -> torch.Tensor:
+    """The loss the head computed in the last forward, checked to be what the model returned (a
+    model that rescales or caps its logits after the head cannot use the chunked loss)."""
+    loss = head._flame_chunk_loss
+    head._flame_chunk_loss = None
+    if loss is None or model_output is not loss:
+        raise ConfigError("training.loss_chunk_tokens: the model does not return its output layer's result "
+                          "unchanged (logit scaling/capping after the head); set training.loss_chunk_tokens=0")
+    return loss

@@ -1,0 +1,144 @@
+"""training.loss_chunk_tokens: output projection + cross-entropy in token chunks.
+
+The op against float64 autograd on fresh random inputs; the head swap on a real HF model; the
+trainer with and without chunking (one process, FSDP2 on two gloo ranks, the offload engine, varlen)."""
+
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from flame.components.chunked_loss import (chunked_head_loss, install_chunked_head, linear_cross_entropy_sum,
+                                           take_chunked_loss)
+from flame.errors import ConfigError
+from tests.trainer.helpers import ROOT, TINY_LLAMA, losses, run_job
+from tests.trainer.test_training import _flame
+from tests.trainer.helpers import tiny_job
+
+SEED = int.from_bytes(os.urandom(3), "little")
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64, 1000])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_matches_float64_autograd(chunk, with_bias):
+    g = torch.Generator().manual_seed(SEED + chunk)
+    n, d, v = 93, 24, 211
+    h = torch.randn(n, d, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(v, d, generator=g, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(v, generator=g, dtype=torch.float64, requires_grad=True) if with_bias else None
+    y = torch.randint(0, v, (n,), generator=g)
+    y[torch.rand(n, generator=g) < 0.2] = -100
+    ins = [t for t in (h, w, b) if t is not None]
+    scale = torch.rand((), generator=g, dtype=torch.float64) + 0.5  # the incoming grad rescales
+    ref = F.cross_entropy(F.linear(h, w, b), y, ignore_index=-100, reduction="sum")
+    want = torch.autograd.grad(ref * scale, ins)
+    got = linear_cross_entropy_sum(h, w, b, y, chunk)
+    grads = torch.autograd.grad(got * scale, ins)
+    assert got.item() == pytest.approx(ref.item(), rel=1e-12), SEED
+    for a, r in zip(grads, want):
+        assert torch.allclose(a, r, rtol=1e-10, atol=1e-12), (SEED, (a - r).abs().max())
+
+
+def test_only_requested_grads_and_all_ignored():
+    g = torch.Generator().manual_seed(SEED)
+    h = torch.randn(10, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(30, 8, generator=g, dtype=torch.float64)  # frozen head
+    y = torch.full((10,), -100)
+    loss = linear_cross_entropy_sum(h, w, None, y, 4)
+    loss.backward()
+    assert loss.item() == 0.0 and torch.count_nonzero(h.grad) == 0
+    y[3] = 5
+    h.grad = None
+    linear_cross_entropy_sum(h, w, None, y, 4).backward()
+    ref = torch.autograd.grad(F.cross_entropy(F.linear(h, w), y, ignore_index=-100, reduction="sum"), h)[0]
+    assert torch.allclose(h.grad, ref)
+
+
+def _tiny_hf_model():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(TINY_LLAMA)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(SEED)
+    return AutoModelForCausalLM.from_config(cfg).double()
+
+
+def test_head_swap_on_a_real_model_gives_the_plain_loss_and_grads():
+    model = _tiny_hf_model()
+    ids = torch.randint(0, model.config.vocab_size, (2, 19))
+    labels = ids.roll(-1, 1)
+    labels[:, -1] = -100
+    plain = F.cross_entropy(model(ids).logits.flatten(0, 1), labels.flatten(), reduction="sum")
+    want = torch.autograd.grad(plain, list(model.parameters()))
+    head = install_chunked_head(model, 5)
+    with chunked_head_loss(head, labels):
+        out = model(ids).logits
+    loss = take_chunked_loss(head, out)
+    got = torch.autograd.grad(loss, list(model.parameters()))
+    assert loss.item() == pytest.approx(plain.item(), rel=1e-12)
+    for a, r in zip(got, want):
+        assert torch.allclose(a, r, rtol=1e-9, atol=1e-12)
+    # outside the context the head is an ordinary Linear again (generation, validation)
+    assert model(ids).logits.shape == (2, 19, model.config.vocab_size)
+
+
+def test_model_that_changes_the_head_output_is_refused():
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm_head = nn.Linear(4, 9, bias=False)
+
+        def get_output_embeddings(self):
+            return self.lm_head
+
+        def forward(self, x):
+            return self.lm_head(x) * 0.5  # logit scaling after the head
+
+    m = Scaled()
+    head = install_chunked_head(m, 2)
+    with chunked_head_loss(head, torch.zeros(3, dtype=torch.long)):
+        out = m(torch.randn(3, 4))
+    with pytest.raises(ConfigError, match="loss_chunk_tokens"):
+        take_chunked_loss(head, out)
+    with pytest.raises(ConfigError, match="not a plain nn.Linear"):
+        install_chunked_head(nn.Sequential(), 2)
+
+
+COMMON = ["--training.steps", "4", "--checkpoint.no-enable-checkpoint", "--checkpoint.no-enable",
+          "--optimizer.implementation", "for-loop", "--optimizer.eps", "1e-8"]
+
+
+@pytest.mark.parametrize("nproc, extra", [
+    (1, []),
+    (2, []),  # FSDP2: the head's weight is unsharded inside its own forward, where the loss is made
+    (1, ["--training.varlen", "--training.context_len", "32"]),
+])
+def test_trainer_losses_match_unchunked(tmp_path, nproc, extra):
+    a, b = str(tmp_path / "plain"), str(tmp_path / "chunked")
+    run_job(nproc, a, *COMMON, *extra)
+    run_job(nproc, b, *COMMON, *extra, "--training.loss_chunk_tokens", "48")
+    la, lb = losses(a), losses(b)
+    assert len(la) == 4 and lb == pytest.approx(la, rel=1e-5, abs=1e-5), (la, lb)
+
+
+def test_offloaded_trainer_with_chunked_loss_matches_plain(tmp_path):
+    profile = os.path.join(ROOT, "flame/offload/profiles/h100_80gb_measured.json")
+    a, b = str(tmp_path / "plain"), str(tmp_path / "off")
+    run_job(1, a, *COMMON)
+    run_job(1, b, *COMMON, "--training.loss_chunk_tokens", "100", "--offload.enable", "on",
+            "--offload.profile", profile, "--offload.overrides", "weights[*]=host")
+    la, lb = losses(a), losses(b)
+    assert lb == pytest.approx(la, rel=1e-4, abs=1e-4), (la, lb)
+
+
+@pytest.mark.parametrize("extra, fragment", [
+    (["--training.loss_chunk_tokens", "-1"], "training.loss_chunk_tokens -1"),
+    (["--training.loss_chunk_tokens", "64", "--parallelism.tensor_parallel_degree", "2"], "tensor parallel degree 2"),
+])
+def test_bad_chunk_settings_are_one_line_errors(tmp_path, extra, fragment):
+    proc = _flame(*tiny_job(str(tmp_path / "run"), "--training.steps", "2"), *extra)
+    assert proc.returncode != 0
+    errors = [l for l in proc.stderr.splitlines() if l.startswith("flame: error:")]
+    assert len(errors) == 1 and fragment in errors[0], proc.stderr[-3000:]
