@@ -11,6 +11,7 @@ Every row runs in its own process (a row's memory cannot OOM the next one) under
 the whole script fits one device call.
 All models: activation checkpointing where the baseline needs it to fit, seq 4096/8192.
 Usage: python benchmarks/offload.py OUT_DIR [--sections a,b] [--steps 3] [--a_rounds 8] [--budget_s 520]
+       [--loss_chunk_tokens 4096]
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from flame.components.chunked_loss import chunked_head_loss, install_chunked_head, take_chunked_loss  # noqa: E402
 from flame.offload.calibration import measure_block_fudge  # noqa: E402
 from flame.offload.cost_model import Dtypes  # noqa: E402
 from flame.offload.costs import measure_costs, meta_model  # noqa: E402
@@ -53,9 +55,23 @@ def llama(size: str):
     return c
 
 
+LOSS_CHUNK = {"tokens": 0}  # --loss_chunk_tokens: every row computes its loss the same way
+
+
+def prepare_loss(model) -> None:
+    if LOSS_CHUNK["tokens"]:
+        # not a submodule attribute: the head must not be registered a second time
+        object.__setattr__(model, "_bench_head", install_chunked_head(model, LOSS_CHUNK["tokens"]))
+
+
 def loss_of(model, ids):
-    logits = model(ids).logits
-    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), ids.flatten(0, 1))
+    head = getattr(model, "_bench_head", None)
+    if head is None:
+        logits = model(ids).logits
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), ids.flatten(0, 1))
+    with chunked_head_loss(head, ids):
+        out = model(ids).logits
+    return take_chunked_loss(head, out) / ids.numel()
 
 
 def checkpoint_blocks(model):
@@ -84,6 +100,7 @@ def run_resident(cfg, mb, seq, rounds, steps):
 
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     checkpoint_blocks(model)
+    prepare_loss(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     ids = torch.randint(0, cfg.vocab_size, (mb, seq), device="cuda")
 
@@ -117,6 +134,7 @@ def run_fsdp2_offload(cfg, mb, seq, rounds, steps):
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     checkpoint_blocks(model)
+    prepare_loss(model)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for b in model.model.layers:
         fully_shard(b, mp_policy=mp, offload_policy=CPUOffloadPolicy())
@@ -157,7 +175,8 @@ def run_engine(cfg, prof, dt, cap_gib, mb, seq, rounds, steps, model_dtype):
 
     world = dist_world()
 
-    costs = measure_costs(meta_model(cfg, dtype=getattr(torch, dt.compute)), mb, seq)
+    costs = measure_costs(meta_model(cfg, dtype=getattr(torch, dt.compute)), mb, seq,
+                          loss_chunk_tokens=LOSS_CHUNK["tokens"])
     threads = max(1, len(os.sched_getaffinity(0)) - 1)
     # host budget: the machine's RAM minus 16 GiB (other sections' memory may not be returned to
     # the OS yet, so MemAvailable would understate it)
@@ -175,6 +194,7 @@ def run_engine(cfg, prof, dt, cap_gib, mb, seq, rounds, steps, model_dtype):
     mem = {"before_model": torch.cuda.memory_allocated()}  # what earlier work in this process left
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=model_dtype)
+    prepare_loss(model)
     mem["after_model"] = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     eng = OffloadEngine(model, plan, torch.device("cuda"), lr=1e-4, description=text)
@@ -258,6 +278,7 @@ def run_row(name: str, args) -> dict:
     from flame.offload.profile import load
 
     prof = load(os.path.join(args.out, "profile.json"))
+    LOSS_CHUNK["tokens"] = args.loss_chunk_tokens
     fp32, bf16 = Dtypes(), Dtypes("bfloat16", "bfloat16", "bfloat16", "bfloat16")
     r = args.a_rounds
     if name == "a_offload_16GiB":
@@ -321,7 +342,8 @@ def spawn(name: str, args, timeout: float) -> dict:
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                     f"--nproc_per_node={torch.cuda.device_count()}"]
     cmd = launcher + [os.path.abspath(__file__), args.out, "--child", name, "--child_out", path,
-                      "--steps", str(args.steps), "--a_rounds", str(args.a_rounds)]
+                      "--steps", str(args.steps), "--a_rounds", str(args.a_rounds),
+                      "--loss_chunk_tokens", str(args.loss_chunk_tokens)]
     t = time.perf_counter()
     try:
         proc = subprocess.run(cmd, timeout=timeout)
@@ -345,6 +367,8 @@ def main():
                     "m (b on every GPU of the machine, host state sharded over the ranks: weak scaling vs b)")
     ap.add_argument("--steps", type=int, default=3, help="timed optimizer steps per engine/resident row")
     ap.add_argument("--a_rounds", type=int, default=8, help="micro-batches of 1x4096 tokens per step in (a)")
+    ap.add_argument("--loss_chunk_tokens", type=int, default=0,
+                    help="every row: head + cross-entropy in chunks of this many tokens (training.loss_chunk_tokens); 0: plain")
     ap.add_argument("--budget_s", type=float, default=520, help="wall budget of the whole script (rows are capped)")
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
     ap.add_argument("--child_out", default="", help=argparse.SUPPRESS)
@@ -356,7 +380,8 @@ def main():
     t_start = time.perf_counter()
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv),
            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-           "a_tokens_per_step": A_MB * A_SEQ * args.a_rounds, "a_rounds": args.a_rounds}
+           "a_tokens_per_step": A_MB * A_SEQ * args.a_rounds, "a_rounds": args.a_rounds,
+           "loss_chunk_tokens": args.loss_chunk_tokens}
     path = os.path.join(args.out, "offload.json")
 
     def dump():

@@ -4,8 +4,9 @@ With a 128K vocabulary the float32 logits of a 16K-token micro-batch are 8.4 GB,
 cross-entropy keeps the log-softmax for the backward on top of that. Here the head matmul, the
 log-sum-exp and both gradients are computed chunk by chunk in the forward (the loss is the last
 op of the graph, so its incoming gradient is a scalar that only rescales them); the backward
-multiplies the stored gradients by that scalar. Peak extra memory: a few [chunk, vocab] float32
-tensors, the hidden-state gradient and a float32 accumulator of the head's weight gradient.
+multiplies the stored gradients by that scalar. Extra memory: a few [chunk, vocab] float32 tensors
+and a float32 accumulator of the head's weight gradient inside the forward; the hidden-state and
+weight gradients (in their own dtypes) until the backward.
 Same FLOPs as the unchunked head (three matmuls per token).
 
 `install_chunked_head(model)` makes a model's output Linear compute the loss when given labels
@@ -61,19 +62,18 @@ class _LinearCrossEntropySum(torch.autograd.Function):
                 dw += (gc.t() @ h).to(acc)
             if db is not None:
                 db += gc.to(acc).sum(0)
+        # kept for the backward in the parameters' dtype (what their grads are): the float32
+        # accumulators live only until here
+        dw = dw.to(weight.dtype) if dw is not None else None
+        db = db.to(bias.dtype) if db is not None else None
         ctx.save_for_backward(*(t if t is not None else torch.empty(0) for t in (dh, dw, db)))
         ctx.has = (dh is not None, dw is not None, db is not None)
-        ctx.dtypes = (weight.dtype, bias.dtype if bias is not None else None)
         return loss
 
     @staticmethod
     def backward(ctx, gout):
-        dh, dw, db = ctx.saved_tensors
-        has_h, has_w, has_b = ctx.has
-        return (dh * gout.to(dh.dtype) if has_h else None,
-                (dw * gout).to(ctx.dtypes[0]) if has_w else None,
-                (db * gout).to(ctx.dtypes[1]) if has_b else None,
-                None, None)
+        grads = [t * gout.to(t.dtype) if has else None for t, has in zip(ctx.saved_tensors, ctx.has)]
+        return (*grads, None, None)
 
 
 def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

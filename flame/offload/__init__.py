@@ -44,7 +44,8 @@ def build_plan(model, job_config, device, world: int = 1):
     if off.plan != "auto":
         return Plan.load(off.plan), None, None
     cdt = getattr(torch, off.compute_dtype)
-    costs = measure_costs(meta_model(model.config, dtype=cdt), mb, seq)
+    chunk = int(_get(job_config, "training.loss_chunk_tokens", 0) or 0)
+    costs = measure_costs(meta_model(model.config, dtype=cdt), mb, seq, loss_chunk_tokens=chunk)
     path = off.profile or os.path.join(_get(job_config, "job.dump_folder", "."), "offload_profile.json")
     if os.path.isfile(path):
         prof = load(path)

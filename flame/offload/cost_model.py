@@ -313,6 +313,8 @@ def predict(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, layer_modes, l
     # loss backward: the largest saved tensor (log-softmax of the logits), its incoming and its
     # outgoing gradient alive at once
     trans.append(scale * 2.0 * outer.max_saved_bytes)
+    # chunked head + loss (training.loss_chunk_tokens): one chunk's logits inside its forward
+    trans.append(costs.extra.get("loss_chunk_transient_bytes", 0))
     # the outer's weight grads (head, embeddings) arrive as new tensors before they are added
     # into the unit's grad buffer
     trans.append(outer.numel * c)

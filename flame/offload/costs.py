@@ -21,6 +21,8 @@ import torch
 import torch.nn as nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from flame.components.chunked_loss import chunked_head_loss, install_chunked_head, take_chunked_loss
+
 
 @dataclass
 class UnitCosts:
@@ -147,8 +149,13 @@ def _role(name: str) -> str:
     return parts[-2] if len(parts) >= 2 else parts[-1]
 
 
-def measure_costs(model: nn.Module, micro_batch: int, seq_len: int, loss: bool = True) -> ModelCosts:
-    """Run one fwd+bwd of `model` (any device, meta included) and charge costs to blocks."""
+def measure_costs(model: nn.Module, micro_batch: int, seq_len: int, loss: bool = True,
+                  loss_chunk_tokens: int = 0) -> ModelCosts:
+    """Run one fwd+bwd of `model` (any device, meta included) and charge costs to blocks.
+
+    `loss_chunk_tokens` > 0: the loss is the chunked head + cross-entropy the trainer runs with
+    ``training.loss_chunk_tokens`` (its saved gradients are measured like any saved tensor; the
+    per-chunk float32 logits, which live only inside its forward, go to ``extra``)."""
     blocks_name, blocks = find_blocks(model)
     rec = _Recorder(model, blocks)
     names = [f"{blocks_name}.{i}" for i in range(len(blocks))]
@@ -171,6 +178,8 @@ def measure_costs(model: nn.Module, micro_batch: int, seq_len: int, loss: bool =
         handles.append(b.register_forward_hook(post))
     dev = next(model.parameters()).device
     ids = torch.zeros((micro_batch, seq_len), dtype=torch.long, device=dev)
+    head = install_chunked_head(model, loss_chunk_tokens) if loss and loss_chunk_tokens else None
+    chunked = chunked_head_loss(head, ids) if head is not None else contextlib.nullcontext()
     sdpa = torch.nn.functional.scaled_dot_product_attention
     torch.nn.functional.scaled_dot_product_attention = rec.sdpa
     fc = FlopCounterMode(display=False)
@@ -178,12 +187,15 @@ def measure_costs(model: nn.Module, micro_batch: int, seq_len: int, loss: bool =
         with fc, torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t):
             # HF's no-cache path inspects position ids (data-dependent, impossible on meta), so
             # ask for a cache: it only holds references to k/v, no extra saved tensors
-            try:
-                out = model(ids, use_cache=True)
-            except TypeError:
-                out = model(ids)
+            with chunked:
+                try:
+                    out = model(ids, use_cache=True)
+                except TypeError:
+                    out = model(ids)
             logits = out.logits if hasattr(out, "logits") else out
-            if loss:
+            if head is not None:
+                val = take_chunked_loss(head, logits)
+            elif loss:
                 val = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), ids.flatten(0, 1), reduction="sum")
             else:
                 val = logits.float().sum()
@@ -224,9 +236,22 @@ def measure_costs(model: nn.Module, micro_batch: int, seq_len: int, loss: bool =
         roles[_role(pn)] = roles.get(_role(pn), 0) + p.numel()
         numel += p.numel()
     act = sum(rec.saved.get("outer", {}).values())
-    units.append(UnitCosts("outer", "outer", numel, roles, total - layer_flops, rec.attn.get("outer", 0.0), act, act,
+    outer_flops = total - layer_flops
+    if head is not None:
+        # the chunked loss runs the head's two backward matmuls inside its forward; charge them to
+        # the backward as for a plain head (the cost model takes backward = 2 x forward)
+        outer_flops -= 2 * 2.0 * micro_batch * seq_len * head.weight.numel()
+    units.append(UnitCosts("outer", "outer", numel, roles, outer_flops, rec.attn.get("outer", 0.0), act, act,
                            rec.max_saved.get("outer", 0)))
-    return ModelCosts(micro_batch, seq_len, units, type(blocks[0]).__name__)
+    extra = {}
+    if head is not None:
+        # inside the chunked forward: the float32 weight-grad accumulator, and per chunk its float32
+        # logits, their float32 softmax gradient and its compute-dtype copy, alive together
+        c = min(loss_chunk_tokens, micro_batch * seq_len)
+        w, acc = head.weight.element_size(), max(head.weight.element_size(), 4)
+        extra = {"loss_chunk_tokens": loss_chunk_tokens,
+                 "loss_chunk_transient_bytes": head.weight.numel() * acc + c * head.out_features * (2 * acc + w)}
+    return ModelCosts(micro_batch, seq_len, units, type(blocks[0]).__name__, extra)
 
 
 @contextlib.contextmanager

@@ -109,7 +109,7 @@ def plan_for(cfg: dict) -> tuple[Plan, ModelCosts, Offload]:
     if not mpath:
         raise ConfigError("model.config: missing (path of the HF/FLA model config)")
     model = meta_model(load_model_config(mpath), dtype=getattr(__import__("torch"), off.compute_dtype))
-    costs = measure_costs(model, mb, seq)
+    costs = measure_costs(model, mb, seq, loss_chunk_tokens=int(tr.get("loss_chunk_tokens", 0) or 0))
     if not off.profile:
         raise ConfigError("offload.profile: required without a GPU (path of a stored hardware profile JSON)")
     prof = load_profile(off.profile)

@@ -216,3 +216,22 @@ def test_plan_file_with_accumulators_and_old_files(costs, tmp_path):
     (tmp_path / "old.json").write_text(json.dumps(d))
     old = Plan.load(tmp_path / "old.json")
     assert old.unit_accs() == [False] * (len(costs.layers) + 1)
+
+
+def test_chunked_loss_costs_by_hand(costs):
+    """training.loss_chunk_tokens: the outer unit no longer saves the [tokens, vocab] float32 logits
+    but the head's gradients (hidden [tokens, d] + weight [vocab, d], bf16); the chunk's forward
+    transient is charged by the cost model, and the same plan's predicted peak falls."""
+    cfg = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=8,
+                      num_key_value_heads=4, vocab_size=32000, use_cache=False)
+    cfg._attn_implementation = "sdpa"
+    chunked = measure_costs(meta_model(cfg), 2, 2048, loss_chunk_tokens=512)
+    t, d, v = 2 * 2048, 1024, 32000
+    assert costs.outer.max_saved_bytes >= t * v * 4  # plain: the float32 logits
+    assert chunked.outer.max_saved_bytes == v * d * 2  # the head's weight gradient, bf16
+    assert chunked.outer.act_keep_bytes <= costs.outer.act_keep_bytes - t * v * 4 + t * d * 2 + v * d * 2
+    assert chunked.extra["loss_chunk_transient_bytes"] == v * d * 4 + 512 * v * (4 + 4 + 2)
+    assert [u.fwd_gemm_flops for u in chunked.units] == pytest.approx([u.fwd_gemm_flops for u in costs.units])
+    n = len(costs.layers)
+    args = (prof(), Dtypes(), ["stream"] * n, ["recompute"] * n, "host_opt", 2, 2, 1, 15)
+    assert predict(chunked, *args).gpu_bytes < predict(costs, *args).gpu_bytes - 2 * t * v * 4 + chunked.extra["loss_chunk_transient_bytes"]

@@ -1,0 +1,78 @@
+"""Planner-only sweep (no GPU): the offload benchmark's runs at several `training.loss_chunk_tokens`.
+
+Costs are measured on the meta device, the hardware profile is the one stored in a benchmark
+result JSON (default: the H100 run 4), and `solve` picks the plan exactly as benchmarks/offload.py
+does (block calibration factor 1). Prints a table and writes JSON. These are predictions of the
+cost model, not measurements: benchmarks/offload.py --loss_chunk_tokens N measures them.
+
+Usage: python benchmarks/offload_predict.py [--result benchmarks/results/offload_h100_run4.json]
+       [--chunks 0,4096,2048,1024] [--out benchmarks/results/offload_predicted_loss_chunks.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.offload import A_MB, A_SEQ, llama  # noqa: E402
+from flame.offload.cost_model import Dtypes  # noqa: E402
+from flame.offload.costs import measure_costs, meta_model  # noqa: E402
+from flame.offload.profile import HardwareProfile  # noqa: E402
+from flame.offload.solver import solve  # noqa: E402
+
+GiB = 1024**3
+# the rows of benchmarks/offload.py: (name, model, dtypes, GPU cap GiB, micro-batch, seq, rounds)
+ROWS = [
+    ("a_offload_16GiB", "3B", Dtypes(), 16, A_MB, A_SEQ, 8),
+    ("a_offload_16GiB_bf16_grads", "3B", Dtypes("bfloat16", "float32", "bfloat16", "float32"), 16, A_MB, A_SEQ, 8),
+    ("b_8B_bf16_24GiB", "8B", Dtypes("bfloat16", "bfloat16", "bfloat16", "bfloat16"), 24, 1, 8192, 1),
+]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--result", default="benchmarks/results/offload_h100_run4.json",
+                    help="a benchmarks/offload.py result JSON whose hardware profile is used")
+    ap.add_argument("--chunks", default="0,4096,2048,1024", help="loss chunk sizes in tokens (0: plain loss)")
+    ap.add_argument("--out", default="", help="JSON output path (default: print only)")
+    args = ap.parse_args()
+    with open(args.result) as f:
+        prof = HardwareProfile(**json.load(f)["profile"])
+    host = prof.host_total_bytes - 16 * GiB  # as benchmarks/offload.py
+    threads = max(1, prof.cpu_cores - 1)
+    chunks = [int(c) for c in args.chunks.split(",")]
+    rows = []
+    print(f"profile: {prof.device_name} (from {args.result}); predictions, not measurements")
+    print("| run | loss chunk | predicted step s | vs plain | peak GPU GiB | transient GiB | streamed | recomputed | outer |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, size, dt, cap, mb, seq, rounds in ROWS:
+        base = None
+        for chunk in chunks:
+            costs = measure_costs(meta_model(llama(size), dtype=getattr(torch, dt.compute)), mb, seq, loss_chunk_tokens=chunk)
+            plan = solve(costs, prof, dt, cap * GiB, host, mb, rounds, threads)
+            pr = plan.predicted
+            base = base or pr["step_s"]
+            row = {"run": name, "loss_chunk_tokens": chunk, "predicted_step_s": pr["step_s"],
+                   "speedup_vs_plain": base / pr["step_s"], "peak_gpu_bytes": pr["peak_gpu_bytes"],
+                   "transient_bytes": pr["transient_bytes"], "streamed_blocks": plan.layer_modes.count("stream"),
+                   "recomputed_blocks": plan.layer_acts.count("recompute"), "outer": plan.outer_mode}
+            rows.append(row)
+            print(f"| {name} | {chunk or 'plain'} | {pr['step_s']:.3f} | {base / pr['step_s']:.2f}x | "
+                  f"{pr['peak_gpu_bytes'] / GiB:.2f} | {pr['transient_bytes'] / GiB:.2f} | {row['streamed_blocks']} | "
+                  f"{row['recomputed_blocks']} | {plan.outer_mode} |", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"kind": "cost-model predictions (no GPU run)", "command": " ".join(sys.argv),
+                       "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "torch": torch.__version__,
+                       "profile_from": args.result, "profile_device": prof.device_name, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
