@@ -217,6 +217,48 @@ def unit_times(u: UnitCosts, prof: HardwareProfile, scale: float, fudge: float =
     return fwd, bwd
 
 
+@dataclass
+class MemoryPrediction:
+    gpu_bytes: int
+    host_bytes: int
+    pinned_bytes: int
+    static_gpu: dict
+    activation_bytes: int
+    transient_bytes: int
+
+
+def predict_memory(costs: ModelCosts, dt: Dtypes, layer_modes, layer_acts, outer_mode: str, depth: int,
+                   micro_batch: int, rounds: int, layer_accs: list[bool] | None = None, outer_acc: bool = False,
+                   world: int = 1) -> MemoryPrediction:
+    """Peak GPU bytes and host/pinned bytes of one plan on one rank (the memory half of `predict`,
+    cheap: the solver bisects over it before timing one candidate)."""
+    scale = micro_batch / costs.micro_batch
+    layers, outer = costs.layers, costs.outer
+    units = [outer] + list(layers)
+    modes = [outer_mode] + list(layer_modes)
+    accs = effective_accs(modes, [outer_acc] + list(layer_accs or [False] * len(layers)), rounds)
+    static = static_gpu_bytes(units, modes, dt, depth, rounds, accs, world)
+    act = sum(scale * (u.act_keep_bytes if a == "keep" else u.act_recompute_bytes) for u, a in zip(layers, layer_acts))
+    act += scale * outer.act_keep_bytes
+    # transient of a backward: the recomputed block's activations + its gradient buffers
+    trans = [scale * ((l.act_keep_bytes if a == "recompute" else 0) + 2 * l.max_saved_bytes) for l, a in zip(layers, layer_acts)]
+    # loss backward: the largest saved tensor (log-softmax of the logits), its incoming and its
+    # outgoing gradient alive at once
+    trans.append(scale * 2.0 * outer.max_saved_bytes)
+    # chunked head + loss (training.loss_chunk_tokens): one chunk's logits inside its forward
+    trans.append(costs.extra.get("loss_chunk_transient_bytes", 0))
+    # the outer's weight grads (head, embeddings) arrive as new tensors before they are added
+    # into the unit's grad buffer
+    trans.append(outer.numel * dt.c)
+    gpu = sum(static.values()) + int(act + max(trans)) + RUNTIME_OVERHEAD_BYTES
+    host = pinned = 0
+    for u, m, a in zip(units, modes, accs):
+        h, p = unit_host_bytes(u, m, dt, rounds, a, world)
+        host += h
+        pinned += p
+    return MemoryPrediction(gpu, host, pinned, static, int(act), int(max(trans)))
+
+
 def predict(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, layer_modes, layer_acts, outer_mode: str,
             depth: int, micro_batch: int, rounds: int, cpu_threads: int, fudge: float = 1.0,
             layer_accs: list[bool] | None = None, outer_acc: bool = False, world: int = 1) -> Prediction:
@@ -302,28 +344,8 @@ def predict(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, layer_modes, l
     # replicated "gpu" units: one all-reduce (reduce-scatter + all-gather) of their grads a step
     total += collective_s(gpu_params * g, world, prof.reducescatter_gbps) + collective_s(gpu_params * g, world, prof.allgather_gbps)
 
-    # memory
-    static = static_gpu_bytes(units, modes, dt, depth, rounds, accs, world)
-    mem = sum(static.values())
-    act = sum(scale * (u.act_keep_bytes if a == "keep" else u.act_recompute_bytes) for u, a in zip(layers, layer_acts))
-    act += scale * outer.act_keep_bytes
-    # transient of a backward: the recomputed block's activations + its gradient buffers; the loss's
-    # gradient of the logits
-    trans = [scale * ((l.act_keep_bytes if a == "recompute" else 0) + 2 * l.max_saved_bytes) for l, a in zip(layers, layer_acts)]
-    # loss backward: the largest saved tensor (log-softmax of the logits), its incoming and its
-    # outgoing gradient alive at once
-    trans.append(scale * 2.0 * outer.max_saved_bytes)
-    # chunked head + loss (training.loss_chunk_tokens): one chunk's logits inside its forward
-    trans.append(costs.extra.get("loss_chunk_transient_bytes", 0))
-    # the outer's weight grads (head, embeddings) arrive as new tensors before they are added
-    # into the unit's grad buffer
-    trans.append(outer.numel * c)
-    mem += int(act + max(trans)) + RUNTIME_OVERHEAD_BYTES
-    host = pinned = 0
-    for u, m, a in zip(units, modes, accs):
-        h, p = unit_host_bytes(u, m, dt, rounds, a, world)
-        host += h
-        pinned += p
+    m = predict_memory(costs, dt, layer_modes, layer_acts, outer_mode, depth, micro_batch, rounds, layer_accs,
+                       outer_acc, world)
     useful = rounds * sum(scale * (u.fwd_gemm_flops + u.bwd_gemm_flops + u.fwd_attn_flops + u.bwd_attn_flops) for u in units)
-    return Prediction(total, mem, host, pinned, compute, h2d_bytes, d2h_bytes, sum(cpu_t), useful, static, int(act),
-                      int(max(trans)))
+    return Prediction(total, m.gpu_bytes, m.host_bytes, m.pinned_bytes, compute, h2d_bytes, d2h_bytes, sum(cpu_t),
+                      useful, m.static_gpu, m.activation_bytes, m.transient_bytes)

@@ -17,7 +17,7 @@ import json
 from dataclasses import asdict, dataclass, field
 
 from flame.errors import ConfigError
-from flame.offload.cost_model import Dtypes, Prediction, effective_accs, predict
+from flame.offload.cost_model import Dtypes, Prediction, effective_accs, predict, predict_memory
 from flame.offload.costs import ModelCosts
 from flame.offload.profile import HardwareProfile
 
@@ -153,13 +153,15 @@ def solve(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, gpu_budget: int,
                         # fewest recomputed blocks that fit: bisect over k (memory falls as k grows)
                         def at(k):
                             acts = spread(n, {"recompute": k, "keep": n - k})
-                            modes, acts = _apply(list(base_modes), acts, ov)
-                            return modes, acts, predict(costs, prof, dt, modes, acts, outer, depth, micro_batch, rounds,
-                                                        cpu_threads, fudge, accs, outer_acc, world)
+                            return _apply(list(base_modes), acts, ov)
+
+                        def memory(k):
+                            return predict_memory(costs, dt, *at(k), outer, depth, micro_batch, rounds, accs, outer_acc,
+                                                  world)
 
                         lo, hi = 0, n
-                        m_hi = at(hi)
-                        pg, ph = m_hi[2].gpu_bytes, m_hi[2].host_bytes
+                        m_hi = memory(hi)
+                        pg, ph = m_hi.gpu_bytes, m_hi.host_bytes
                         min_gpu = pg if min_gpu is None else min(min_gpu, pg)
                         if pg <= gpu_budget:
                             min_host = ph if min_host is None else min(min_host, ph)
@@ -169,11 +171,13 @@ def solve(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, gpu_budget: int,
                             continue  # more accumulators need less host memory
                         while lo < hi:
                             mid = (lo + hi) // 2
-                            if at(mid)[2].gpu_bytes <= gpu_budget:
+                            if memory(mid).gpu_bytes <= gpu_budget:
                                 hi = mid
                             else:
                                 lo = mid + 1
-                        modes, acts, p = at(lo)
+                        modes, acts = at(lo)
+                        p = predict(costs, prof, dt, modes, acts, outer, depth, micro_batch, rounds, cpu_threads, fudge,
+                                    accs, outer_acc, world)
                         if best is None or p.step_s < best[0] - 1e-12:
                             plan = Plan(modes, acts, outer, depth, micro_batch, costs.seq_len, rounds, cpu_threads,
                                         asdict(dt), gpu_budget, host_budget, _pred_dict(p, costs, micro_batch, rounds, prof),
