@@ -213,3 +213,26 @@ def test_save_and_load_roundtrip(tmp_path):
         assert n1 == n2 and torch.equal(p1, p2), n1
     x = torch.randint(0, 97, (1, 9))
     torch.testing.assert_close(loaded(input_ids=x).logits, model(input_ids=x).logits)
+
+
+class _OnCuda:
+    is_cuda = True  # stands for a CUDA tensor: only the device matters to reads_max_seqlen
+
+
+@pytest.mark.parametrize("name, env, reads", [
+    ("sdpa", "flex", False),      # FlexAttention: document mask from cu_seqlens, no max_seqlen
+    ("sdpa", "varlen", True),     # torch varlen_attn takes max_seqlen
+    ("fla", "flex", False),
+    ("triton", "flex", True),     # flame's kernels size their grid by it
+    ("parallel_softpick_attn", "flex", True),
+    ("naive_softpick_attn", "varlen", False),
+])
+def test_max_seqlen_host_sync_only_where_read(monkeypatch, name, env, reads):
+    """The transformer syncs the host for max_seqlen (one .item() per forward) only when a layer's
+    varlen path reads it; never on CPU."""
+    from flame.models.attention import get_backend
+    from flame.models.attention.dispatch import reads_max_seqlen
+
+    monkeypatch.setenv("FLAME_VARLEN_SOFTMAX", env)
+    assert reads_max_seqlen(get_backend(name), _OnCuda()) is reads
+    assert reads_max_seqlen(get_backend(name), torch.zeros(1)) is False

@@ -25,6 +25,16 @@ def _on_gpu(x: torch.Tensor) -> bool:
     return x.is_cuda or triton_interpreting()
 
 
+def reads_max_seqlen(backend: AttentionBackend, x: torch.Tensor) -> bool:
+    """Whether `attention` with ``cu_seqlens`` on x's device uses ``max_seqlen`` (the caller then
+    computes it once per forward: a host sync); FlexAttention and the CPU paths do not."""
+    if backend.impl == "naive" or not _on_gpu(x):
+        return False
+    if backend.rows != "softmax" or backend.impl == "triton":
+        return True
+    return backend.impl != "fla" and x.is_cuda and os.environ.get("FLAME_VARLEN_SOFTMAX", "flex") == "varlen"
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,

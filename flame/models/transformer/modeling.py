@@ -16,6 +16,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from transformers.modeling_utils import PreTrainedModel
 
 from flame.models.attention import FlameAttention, HeadRMSNorm, rotary_cos_sin
+from flame.models.attention.dispatch import reads_max_seqlen
 from flame.models.transformer.configuration import TransformerConfig
 from flame.ops.attention import positions_from_cu_seqlens
 
@@ -192,7 +193,7 @@ class TransformerModel(TransformerPreTrainedModel):
         if cu_seqlens is not None:
             if past_len:
                 raise ValueError("cu_seqlens cannot be combined with a non-empty KV cache")
-            if max_seqlen is None:
+            if max_seqlen is None and any(reads_max_seqlen(l.attn.backend, inputs_embeds) for l in self.layers):
                 max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max().item())
         positions = self._positions(B, T, inputs_embeds.device, position_ids, cu_seqlens, attention_mask, past_len)
         rotary = None
