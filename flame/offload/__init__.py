@@ -27,8 +27,10 @@ def _get(obj, path, default):
     return obj
 
 
-def build_plan(model, job_config, device, world: int = 1):
-    """(plan, costs, profile) for `model` under job_config.offload, measuring what is missing."""
+def build_plan(model, job_config, device, world: int = 1, threads_from_profile: bool = False):
+    """(plan, costs, profile) for `model` under job_config.offload, measuring what is missing.
+    `threads_from_profile`: CPU optimizer threads from the profile's machine (planning for
+    another machine) instead of the cores this process may use."""
     from flame.offload.budgets import gpu_budget_bytes, host_budget_bytes
     from flame.offload.cost_model import Dtypes
     from flame.offload.costs import measure_costs, meta_model
@@ -70,7 +72,8 @@ def build_plan(model, job_config, device, world: int = 1):
     total = torch.cuda.get_device_properties(device).total_memory if torch.device(device).type == "cuda" else prof.gpu_total_bytes
     gpu = gpu_budget_bytes(off.gpu_memory_gib, off.gpu_margin_gib, total)
     host = host_budget_bytes(off.host_memory_gib, off.host_margin_gib)
-    threads = off.cpu_threads or max(1, len(os.sched_getaffinity(0)) - 1)
+    cores = prof.cpu_cores if threads_from_profile else len(os.sched_getaffinity(0))
+    threads = off.cpu_threads or max(1, cores - 1)
     dt = Dtypes(off.compute_dtype, off.master_dtype, off.grad_dtype, off.moment_dtype)
     depths = (off.prefetch_depth,) if off.prefetch_depth else (1, 2, 3)
     fudge = 1.0

@@ -174,6 +174,11 @@ def test_cli_infeasible_exits_nonzero(tmp_path, capsys):
             "--offload.host_memory_gib", "0.01"]
     assert cli.main(args + ["--offload.gpu_memory_gib", "0.001"]) == 2
     assert "needs" in capsys.readouterr().err
+    # the trainer's parser: unknown keys are errors naming the closest valid one; aliases work
+    assert cli.main(args + ["--training.batchsize", "2"]) == 2
+    assert "did you mean 'training.batch_size'" in capsys.readouterr().err
+    assert cli.main(args[:-2] + ["--offload.host_memory_gib", "8", "--training.batch_size", "3"]) == 0
+    assert "micro-batch 3x512" in capsys.readouterr().out
     assert cli.main(args[:-2] + ["--offload.host_memory_gib", "8", "--offload.gpu_memory_gib", "1"]) == 0
     assert "predicted step" in capsys.readouterr().out
 

@@ -103,6 +103,7 @@ def test_only_data_parallelism_composes(attr, option):
 def test_cli_plans_per_rank(tmp_path, capsys):
     from transformers import LlamaConfig
 
+    from flame.config.manager import FlameConfigManager
     from flame.offload import plan as cli
     from flame.offload.profile import save
 
@@ -110,9 +111,10 @@ def test_cli_plans_per_rank(tmp_path, capsys):
     cfg = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4, vocab_size=1000)
     cfg.save_pretrained(tmp_path / "m")
     args = ["--model.config", str(tmp_path / "m"), "--training.seq_len", "512", "--training.global_batch_size", "8",
-            "--offload.profile", str(tmp_path / "prof.json"), "--offload.overrides", "weights[*]=host"]
-    one, _, _ = cli.plan_for(cli._parse(args))
-    two, _, _ = cli.plan_for(cli._parse(args + ["--parallelism.data_parallel_shard_degree", "2"]))
+            "--training.batch_size", "1", "--offload.profile", str(tmp_path / "prof.json"),
+            "--offload.overrides", "weights[*]=host"]
+    one, _, _ = cli.plan_for(FlameConfigManager().parse_args(args))
+    two, _, _ = cli.plan_for(FlameConfigManager().parse_args(args + ["--parallelism.data_parallel_shard_degree", "2"]))
     assert (one.world, one.rounds, two.world, two.rounds) == (1, 8, 2, 4)
     assert two.predicted["peak_host_bytes"] < one.predicted["peak_host_bytes"]
     assert cli.main(args + ["--parallelism.data_parallel_shard_degree", "2"]) == 0
