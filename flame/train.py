@@ -360,7 +360,14 @@ class Trainer(Stateful):
             while self.step < cfg.training.steps:
                 self.step += 1
                 gc_handler.run(self.step)
+                calibrator = getattr(self.offload, "calibrator", None)
+                if calibrator is not None:
+                    calibrator.before_step()
                 self.train_step(data_iter)
+                if calibrator is not None and calibrator.after_step() is not None:
+                    self.metrics.log_scalars({f"offload/{k}": v for k, v in calibrator.report.items()
+                                              if isinstance(v, (int, float)) and v is not None}, self.step)
+                    self.offload.calibrator = None  # once per launch
                 self.checkpointer.save(self.step, last_step=self.step == cfg.training.steps)
                 if self._export_with_checkpoint():
                     from flame.components.export import export_trained_model

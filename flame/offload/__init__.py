@@ -85,6 +85,14 @@ def build_plan(model, job_config, device, world: int = 1, threads_from_profile: 
     plan = solve(costs, prof, dt, gpu, host, mb, rounds, threads, depths, off.overrides,
                  allow_offload=off.enable != "off", fudge=fudge, world=world)
     plan.predicted["compute_fudge"] = fudge
+    if off.calibrate:
+        from flame.offload.calibration import calibrated_plan_for
+
+        calibrated = calibrated_plan_for(_get(job_config, "job.dump_folder", "."), plan, off.overrides)
+        if calibrated is not None:
+            logger.info("offload: using the plan an earlier launch's calibration re-solved (%s)",
+                        calibrated.predicted.get("calibration"))
+            plan = calibrated
     if off.save_plan:
         plan.save(off.save_plan)
     return plan, costs, prof
@@ -139,7 +147,7 @@ def apply_offload(model, job_config, parallel_dims, device):
     check_parallel_dims(parallel_dims)
     if any(p.device.type == "meta" for p in model.parameters()):
         raise ConfigError("offload: the model must be materialized (init on CPU) before apply_offload")
-    plan, costs, _ = build_plan(model, job_config, device, world)
+    plan, costs, prof = build_plan(model, job_config, device, world)
     plan = agree_on_plan(plan)
     text = describe(plan, costs) if costs is not None else f"replayed plan {off.plan}: {plan.predicted}"
     if off.enable == "auto" and not plan.offloads:
@@ -162,4 +170,11 @@ def apply_offload(model, job_config, parallel_dims, device):
         description=text,
     )
     logger.info("%s", text)
+    if off.calibrate and costs is not None:
+        from flame.offload.calibration import StepCalibrator
+
+        engine.calibrator = StepCalibrator(engine, plan, costs, prof, off.overrides,
+                                           _get(job_config, "job.dump_folder", "."),
+                                           (off.prefetch_depth,) if off.prefetch_depth else (1, 2, 3),
+                                           write=_rank() == 0)
     return engine

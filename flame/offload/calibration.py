@@ -1,51 +1,160 @@
 """Calibration: compare measured step time and peak memory with the plan's prediction, refit.
 
-The refit scales block compute time by measured/predicted (the part of the model least known
-ahead: kernel efficiency at the real shapes, elementwise work); copies and the CPU optimizer use
-measured rates already. If the step is off by more than 10%, the plan is solved again once with
-the refit factor; the caller logs both and applies the new plan (next start, via a plan file, or
-by rebuilding the engine).
+Before the run, `measure_block_fudge` times one real block at the run's shapes and scales the
+cost model's compute times (build_plan). During the run, `StepCalibrator` times a few steady
+steps once (steps 2-4 of the launch), logs predicted vs measured step time and peak GPU memory,
+and, when the step is off by more than 10%, refits the compute scale (measured / predicted:
+the approximation: copies and the CPU optimizer already use measured rates, so the whole error
+is put on compute) and solves again, once. A changed plan is written next to the checkpoints
+(`offload_plan_calibrated.json`) and used from the next launch of the job on (a resume), when
+it was made for the same dtypes, shapes, ranks and overrides and fits the budgets; the running engine is
+not rebuilt mid-run (that would hold a second copy of the whole optimizer state).
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import time
 from dataclasses import asdict
 
 from flame.offload.cost_model import Dtypes
 from flame.offload.solver import Plan, solve
 
+logger = logging.getLogger(__name__)
+
 TOLERANCE = 0.10
+CALIBRATED_PLAN = "offload_plan_calibrated.json"
+GiB = 1024**3
 
 
-def compare(plan: Plan, measured_step_s: float, measured_peak_bytes: int) -> dict:
+def compare(plan: Plan, measured_step_s: float, measured_peak_bytes: int | None) -> dict:
     pr = plan.predicted
-    return {
+    out = {
         "predicted_step_s": pr["step_s"], "measured_step_s": measured_step_s,
         "step_error": measured_step_s / pr["step_s"] - 1.0,
         "predicted_peak_gpu_bytes": pr["peak_gpu_bytes"], "measured_peak_gpu_bytes": measured_peak_bytes,
-        "peak_error": measured_peak_bytes / pr["peak_gpu_bytes"] - 1.0,
     }
+    if measured_peak_bytes is not None:
+        out["peak_error"] = measured_peak_bytes / pr["peak_gpu_bytes"] - 1.0
+    return out
 
 
-def refit(plan: Plan, costs, prof, measured_step_s: float, overrides=None) -> tuple[float, Plan | None]:
-    """(fudge, new plan or None when within tolerance)."""
+def refit(plan: Plan, costs, prof, measured_step_s: float, overrides=None,
+          depths=(1, 2, 3)) -> tuple[float, Plan | None]:
+    """(refit compute scale, new plan or None when the step is within tolerance)."""
     pr = plan.predicted
-    fudge = measured_step_s / pr["step_s"]
-    if abs(fudge - 1.0) <= TOLERANCE:
+    ratio = measured_step_s / pr["step_s"]
+    fudge = pr.get("compute_fudge", 1.0) * ratio
+    if abs(ratio - 1.0) <= TOLERANCE:
         return fudge, None
     dt = Dtypes(**plan.dtypes)
     new = solve(costs, prof, dt, plan.gpu_budget_bytes, plan.host_budget_bytes, plan.micro_batch, plan.rounds,
-                plan.cpu_threads, overrides=overrides, fudge=fudge)
+                plan.cpu_threads, depths, overrides=overrides, fudge=fudge, world=plan.world)
+    new.predicted["compute_fudge"] = fudge
     return fudge, new
 
 
-__all__ = ["compare", "refit", "asdict"]
+def same_decisions(a: Plan, b: Plan) -> bool:
+    return (a.layer_modes, a.layer_acts, a.outer_mode, a.prefetch_depth, a.unit_accs()) == \
+        (b.layer_modes, b.layer_acts, b.outer_mode, b.prefetch_depth, b.unit_accs())
+
+
+def calibrated_plan_for(dump_folder: str, reference: Plan, overrides) -> Plan | None:
+    """The plan a calibration of an earlier launch wrote, if it was made for what `reference`
+    (this launch's plan) was made for (dtypes, micro-batch, rounds, ranks, CPU threads, blocks,
+    overrides) and its predicted peaks fit this launch's budgets. None otherwise (the fresh plan
+    is used)."""
+    path = os.path.join(dump_folder, CALIBRATED_PLAN)
+    if not os.path.isfile(path):
+        return None
+    plan = Plan.load(path)
+    key = ("dtypes", "micro_batch", "seq_len", "rounds", "world", "cpu_threads")
+    # budgets: the default host budget follows the free memory of the moment, so the plan only
+    # has to fit this launch's budgets
+    if any(getattr(plan, k) != getattr(reference, k) for k in key) or \
+            len(plan.layer_modes) != len(reference.layer_modes) or \
+            plan.predicted.get("overrides", []) != list(overrides or []) or \
+            plan.predicted["peak_gpu_bytes"] > reference.gpu_budget_bytes or \
+            plan.predicted["peak_host_bytes"] > reference.host_budget_bytes:
+        logger.info("offload: %s was made for other settings; not used", path)
+        return None
+    return plan
+
+
+class StepCalibrator:
+    """Times steps 3..(2 + window) of this launch once (host-synchronized at the window's ends
+    only), then compares, refits and writes a re-solved plan (see the module docstring). The
+    trainer calls before_step/after_step around every step until after_step returns the report."""
+
+    FIRST = 3  # the launch's first steps compile, pin memory and warm up
+
+    def __init__(self, engine, plan: Plan, costs, prof, overrides, dump_folder: str, depths=(1, 2, 3),
+                 window: int = 3, write: bool = True):
+        self.engine, self.plan, self.costs, self.prof, self.depths = engine, plan, costs, prof, tuple(depths)
+        self.overrides = list(overrides or [])
+        self.path = os.path.join(dump_folder, CALIBRATED_PLAN)
+        self.last = self.FIRST + window - 1
+        self.write = write  # one writer (rank 0)
+        self.n = 0
+        self.t0 = 0.0
+        self.report: dict | None = None
+
+    def _sync(self) -> None:
+        import torch
+
+        self.engine.synchronize()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    def before_step(self) -> None:
+        self.n += 1
+        if self.n == self.FIRST:
+            import torch
+
+            self._sync()
+            if torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()
+            self.t0 = time.perf_counter()
+
+    def after_step(self) -> dict | None:
+        """The report once the window is over (then the caller drops the calibrator)."""
+        if self.n != self.last:
+            return None
+        import torch
+
+        self._sync()
+        measured = (time.perf_counter() - self.t0) / (self.last - self.FIRST + 1)
+        peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
+        rep = compare(self.plan, measured, peak)
+        fudge, new = refit(self.plan, self.costs, self.prof, measured, self.overrides, self.depths)
+        rep["refit_compute_scale"] = fudge
+        rep["replanned"] = new is not None and not same_decisions(new, self.plan)
+        peak_txt = f"{peak / GiB:.2f} GiB" if peak is not None else "n/a (no GPU)"
+        logger.info("offload calibration (steps %d-%d of this launch): step predicted %.4g s, measured %.4g s (%+.0f%%); "
+                    "peak GPU predicted %.2f GiB, measured %s", self.FIRST, self.last, rep["predicted_step_s"], measured,
+                    100 * rep["step_error"], rep["predicted_peak_gpu_bytes"] / GiB, peak_txt)
+        if rep["replanned"]:
+            new.predicted["overrides"] = self.overrides
+            new.predicted["calibration"] = {k: v for k, v in rep.items() if isinstance(v, (int, float, type(None)))}
+            if self.write:
+                tmp = self.path + ".tmp"
+                new.save(tmp)
+                os.replace(tmp, self.path)
+            logger.info("offload calibration: off by more than %d%%; re-solved with compute scale %.3g: predicted "
+                        "%.4g s per step. The new plan (%s) is used from the next launch of this job on.",
+                        100 * TOLERANCE, fudge, new.predicted["step_s"], self.path)
+        elif new is not None:
+            logger.info("offload calibration: re-solved with compute scale %.3g: the same plan", fudge)
+        self.report = rep
+        return rep
+
+
+__all__ = ["CALIBRATED_PLAN", "StepCalibrator", "calibrated_plan_for", "compare", "refit", "same_decisions", "asdict"]
 
 
 def _time(fn, iters: int = 3) -> float:
     """Seconds per call: CUDA events on a GPU (the profile's timer), a host clock otherwise."""
-    import time
-
     import torch
 
     if torch.cuda.is_available():

@@ -69,8 +69,10 @@ class Offload:
     """Threads of the CPU optimizer. 0 = all cores the process may use minus one."""
 
     calibrate: bool = True
-    """After the first steps, compare measured per-block time and memory with the prediction, refit
-    the cost model, and re-plan once if off by more than 10%."""
+    """Time steps 3-5 of every launch once; log predicted vs measured step time and peak GPU
+    memory; when the step is off by more than 10%, refit the compute scale and re-plan once. A
+    changed plan is written to `<dump_folder>/offload_plan_calibrated.json` and used from the
+    next launch (resume) of the job with the same settings."""
 
     overrides: list[str] = field(default_factory=list)
     """Per-decision overrides for experts, comma-separated `key=value`, block index ranges allowed:

@@ -240,3 +240,41 @@ def test_chunked_loss_costs_by_hand(costs):
     n = len(costs.layers)
     args = (prof(), Dtypes(), ["stream"] * n, ["recompute"] * n, "host_opt", 2, 2, 1, 15)
     assert predict(chunked, *args).gpu_bytes < predict(costs, *args).gpu_bytes - 2 * t * v * 4 + chunked.extra["loss_chunk_transient_bytes"]
+
+
+def test_step_calibration_refits_writes_and_reuses_the_plan(tmp_path, monkeypatch):
+    """A step measured 30x slower than predicted: the compute scale is refit, the plan re-solved
+    (compute-bound now: stream weights rather than recompute activations), written, and accepted
+    by the next launch only when it was made for the same settings."""
+    import types
+
+    from flame.offload import calibration as cal
+
+    cfg = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=8,
+                      num_key_value_heads=4, vocab_size=32000, use_cache=False)
+    cfg._attn_implementation = "sdpa"
+    c = measure_costs(meta_model(cfg), 2, 2048)
+    p = prof()
+    plan = solve(c, p, Dtypes(), 3 * GiB, 64 * GiB, 2, 1, 15)
+    assert cal.refit(plan, c, p, plan.predicted["step_s"] * 1.05)[1] is None  # within 10%
+    clock = iter([100.0, 100.0 + 30 * plan.predicted["step_s"]])
+    monkeypatch.setattr(cal.time, "perf_counter", lambda: next(clock))
+    engine = types.SimpleNamespace(synchronize=lambda: None)
+    calib = cal.StepCalibrator(engine, plan, c, p, [], str(tmp_path), window=1)
+    for _ in range(cal.StepCalibrator.FIRST - 1):
+        calib.before_step()
+        assert calib.after_step() is None
+    calib.before_step()
+    rep = calib.after_step()
+    assert rep["step_error"] == pytest.approx(29.0) and rep["refit_compute_scale"] == pytest.approx(30.0)
+    assert rep["replanned"] and (tmp_path / cal.CALIBRATED_PLAN).exists()
+    new = cal.calibrated_plan_for(str(tmp_path), plan, [])
+    assert new is not None and not cal.same_decisions(new, plan)
+    assert new.layer_modes.count("stream") > plan.layer_modes.count("stream")
+    assert new.layer_acts.count("recompute") < plan.layer_acts.count("recompute")
+    assert new.predicted["peak_gpu_bytes"] <= 3 * GiB
+    # made for other settings: not used
+    assert cal.calibrated_plan_for(str(tmp_path), plan, ["prefetch=2"]) is None
+    assert cal.calibrated_plan_for(str(tmp_path), solve(c, p, Dtypes(), 3 * GiB, 64 * GiB, 2, 1, 7), []) is None
+    tight = dataclasses.replace(plan, gpu_budget_bytes=new.predicted["peak_gpu_bytes"] - 1)
+    assert cal.calibrated_plan_for(str(tmp_path), tight, []) is None

@@ -53,3 +53,30 @@ def test_two_rank_offloaded_run_matches_two_rank_plain_and_resumes(tmp_path):
     run_job(2, cross, "--training.steps", "3", *COMMON, *OFFLOAD)
     run_job(2, cross, "--training.steps", "6", *COMMON, "--offload.enable", "off")
     assert losses(cross) == pytest.approx(lp, rel=3e-4, abs=1e-4)
+
+
+def test_calibration_logs_and_a_recalibrated_plan_is_used_on_resume(tmp_path):
+    """Steps 3-5 of a launch are timed once and logged against the prediction; a plan that an
+    earlier launch's calibration wrote is used on resume (here: every block recomputed instead of
+    kept) and training continues exactly as an uninterrupted run."""
+    import json
+
+    from flame.offload.calibration import CALIBRATED_PLAN
+
+    full, split = str(tmp_path / "full"), str(tmp_path / "split")
+    plan_path = str(tmp_path / "plan.json")
+    run_job(1, full, "--training.steps", "8", *COMMON, *OFFLOAD)
+    rec = [r for r in metrics(full) if "offload/measured_step_s" in r]
+    assert len(rec) == 1 and rec[0]["step"] == 5 and rec[0]["offload/predicted_step_s"] > 0
+    run_job(1, split, "--training.steps", "3", *COMMON, *OFFLOAD, "--offload.save_plan", plan_path)
+    with open(plan_path) as f:
+        plan = json.load(f)
+    assert "recompute" not in plan["layer_acts"]
+    plan["layer_acts"] = ["recompute"] * len(plan["layer_acts"])
+    plan["predicted"]["overrides"] = ["weights[*]=host"]
+    with open(os.path.join(split, CALIBRATED_PLAN), "w") as f:
+        json.dump(plan, f)
+    proc = run_job(1, split, "--training.steps", "8", *COMMON, *OFFLOAD)
+    assert "calibration re-solved" in proc.stdout + proc.stderr
+    assert "activations recompute" in proc.stdout + proc.stderr
+    assert losses(split) == pytest.approx(losses(full), rel=1e-5, abs=1e-6)
