@@ -29,7 +29,7 @@ from flame.components.chunked_loss import chunked_head_loss, install_chunked_hea
 from flame.components.loss import IGNORE_INDEX, compiled_cross_entropy_sum, cross_entropy_sum
 from flame.components.metrics import MetricsLogger
 from flame.components.optimizer import build_optimizers, clip_grad_norm_
-from flame.config.manager import FlameConfigManager
+from flame.config.manager import FlameConfigManager, accumulation_steps
 from flame.distributed.device import init_process_group, local_device
 from flame.distributed.parallelize import parallelize
 from flame.errors import ConfigError
@@ -99,6 +99,15 @@ def sdpa_priority(device: torch.device):
     return sdpa_kernel([table[n.strip()] for n in names if n.strip()], set_priority=True)
 
 
+def split_rows(batch: dict, rows: int) -> list[dict]:
+    """A (non-varlen) batch as micro-batches of `rows` sequences each."""
+    n = batch["input_ids"].shape[0]
+    if "cu_seqlens" in batch or n % rows:
+        raise ConfigError(f"offload plan micro-batch {rows}: cannot split a batch of {n} sequences"
+                          + (" (varlen batches are one packed stream)" if "cu_seqlens" in batch else ""))
+    return [{k: v[i:i + rows] for k, v in batch.items()} for i in range(0, n, rows)]
+
+
 def all_sum(x: torch.Tensor, mesh) -> torch.Tensor:
     """Sum over a mesh without a host sync (torchtitan's dist_sum returns a Python float)."""
     return funcol.all_reduce(x, reduceOp="sum", group=mesh) if mesh is not None else x
@@ -117,6 +126,8 @@ class Trainer(Stateful):
             self.dp_degree, self.dp_rank = batch_mesh.size(), batch_mesh.get_local_rank()
         else:
             self.dp_degree, self.dp_rank = 1, 0
+        # one source of truth for the loop, the loss normalization and the offload planner
+        t.gradient_accumulation_steps = accumulation_steps(t, self.dp_degree)
         seed = cfg.debug.seed if cfg.debug.seed is not None else 0
         torch.manual_seed(seed)
         dist_utils.set_determinism(pd, self.device, cfg.debug, distinct_seed_mesh_dims=["pp"])
@@ -263,6 +274,9 @@ class Trainer(Stateful):
         cfg, pd = self.cfg, self.parallel_dims
         lr = self.lr_schedulers.schedulers[0].get_last_lr()[0]
         batches = [self._to_device(b) for b in self.next_batches(data_iter)]
+        if self.offload is not None and self.offload.plan.micro_batch < batches[0]["input_ids"].shape[0]:
+            # the planner's micro-batch: every loaded batch runs as several forward/backward passes
+            batches = [part for b in batches for part in split_rows(b, self.offload.plan.micro_batch)]
 
         # normalize by the target tokens of the whole optimizer step, over all DP ranks
         local_tokens = sum((b["labels"] != IGNORE_INDEX).sum() for b in batches)

@@ -282,3 +282,21 @@ def validate(cfg) -> None:
         raise ConfigError(f"checkpoint.interval {cfg.checkpoint.interval}: must be >= 1")
     if cfg.metrics.log_freq < 1:
         raise ConfigError(f"metrics.log_freq {cfg.metrics.log_freq}: must be >= 1")
+
+
+def accumulation_steps(training, dp: int) -> int:
+    """Micro-batches per optimizer step: ``training.gradient_accumulation_steps``, or derived from
+    torchtitan's ``training.global_batch_size`` (sequences over all data-parallel ranks) when that
+    is given; a one-line error when the two disagree or the global batch does not divide."""
+    gb = training.global_batch_size
+    acc = training.gradient_accumulation_steps
+    if gb is None or gb <= 0:
+        return acc
+    per = training.local_batch_size * dp
+    if gb % per:
+        raise ConfigError(f"training.global_batch_size {gb}: not a multiple of batch_size {training.local_batch_size} "
+                          f"x {dp} data-parallel rank(s)")
+    if acc not in (1, gb // per):
+        raise ConfigError(f"training.global_batch_size {gb} and training.gradient_accumulation_steps {acc} disagree "
+                          f"(batch_size {training.local_batch_size} x {dp} rank(s) x {acc} = {per * acc})")
+    return gb // per

@@ -39,21 +39,22 @@ def build_plan(model, job_config, device, world: int = 1, threads_from_profile: 
 
     off: Offload = _get(job_config, "offload", None) or Offload()
     off.validate()
-    mb = int(_get(job_config, "training.local_batch_size", 1))
+    local = int(_get(job_config, "training.local_batch_size", 1))
     seq = int(_get(job_config, "training.seq_len", 2048))
-    gb = int(_get(job_config, "training.global_batch_size", -1) or -1)
-    rounds = max(1, gb // (mb * world)) if gb > 0 else 1
+    accum = int(_get(job_config, "training.gradient_accumulation_steps", 1) or 1)
     if off.plan != "auto":
         return Plan.load(off.plan), None, None
+    candidates = micro_batch_candidates(local, seq, off.micro_batch_tokens, bool(_get(job_config, "training.varlen", False)))
     cdt = getattr(torch, off.compute_dtype)
     chunk = int(_get(job_config, "training.loss_chunk_tokens", 0) or 0)
-    costs = measure_costs(meta_model(model.config, dtype=cdt), mb, seq, loss_chunk_tokens=chunk)
+    meta = meta_model(model.config, dtype=cdt)
+    costs_of = {mb: measure_costs(meta, mb, seq, loss_chunk_tokens=chunk) for mb in candidates}
     path = off.profile or os.path.join(_get(job_config, "job.dump_folder", "."), "offload_profile.json")
     if os.path.isfile(path):
         prof = load(path)
     elif torch.device(device).type == "cuda":
         cfg = model.config
-        t = mb * seq
+        t = local * seq
         d = cfg.hidden_size
         ffn = getattr(cfg, "intermediate_size", None) or 4 * d
         shapes = [(t, d, d), (t, ffn, d), (t, d, ffn), (t, cfg.vocab_size, d)]
@@ -81,9 +82,22 @@ def build_plan(model, job_config, device, world: int = 1, threads_from_profile: 
         from flame.offload.calibration import measure_block_fudge
 
         # one real block timed at the run's shapes: scales the FLOP-based compute times
-        fudge = measure_block_fudge(model.config, costs, prof, mb, seq, cdt)["fudge"]
-    plan = solve(costs, prof, dt, gpu, host, mb, rounds, threads, depths, off.overrides,
-                 allow_offload=off.enable != "off", fudge=fudge, world=world)
+        fudge = measure_block_fudge(model.config, costs_of[candidates[0]], prof, candidates[0], seq, cdt)["fudge"]
+    # the micro-batch: the fastest plan over the candidates (every one runs the step's tokens);
+    # a minimum over sets that each grow with the budget, so the monotonicity of solve holds
+    best, costs, missing = None, None, None
+    for mb in candidates:
+        try:
+            plan = solve(costs_of[mb], prof, dt, gpu, host, mb, accum * (local // mb), threads, depths, off.overrides,
+                         allow_offload=off.enable != "off", fudge=fudge, world=world)
+        except ConfigError as e:
+            missing = e  # the last is the smallest micro-batch's: the closest to fitting
+            continue
+        if best is None or plan.predicted["step_s"] < best.predicted["step_s"] - 1e-12:
+            best, costs = plan, costs_of[mb]
+    if best is None:
+        raise missing
+    plan = best
     plan.predicted["compute_fudge"] = fudge
     if off.calibrate:
         from flame.offload.calibration import calibrated_plan_for
@@ -96,6 +110,24 @@ def build_plan(model, job_config, device, world: int = 1, threads_from_profile: 
     if off.save_plan:
         plan.save(off.save_plan)
     return plan, costs, prof
+
+
+def micro_batch_candidates(local: int, seq: int, tokens: int, varlen: bool) -> list[int]:
+    """Sequences per micro-batch the planner may choose, largest first: a fixed
+    `offload.micro_batch_tokens`, else every divisor of the trainer's batch (each loaded batch is
+    then run as several micro-batches); varlen batches are one packed stream: never split."""
+    if tokens:
+        rows = tokens // seq
+        if tokens % seq or local % rows:
+            raise ConfigError(f"offload.micro_batch_tokens {tokens}: must be a multiple of training.seq_len {seq} "
+                              f"whose sequences divide training.batch_size {local}")
+        if varlen and rows != local:
+            raise ConfigError(f"offload.micro_batch_tokens {tokens} with training.varlen: a packed batch is not split; "
+                              f"use {local * seq} or 0")
+        return [rows]
+    if varlen:
+        return [local]
+    return [d for d in range(local, 0, -1) if local % d == 0]
 
 
 def _rank() -> int:

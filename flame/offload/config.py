@@ -62,8 +62,10 @@ class Offload:
     """Blocks whose weights are in flight ahead of the block computing. 0 = chosen by the planner."""
 
     micro_batch_tokens: int = 0
-    """Tokens per micro-batch. 0 = `training.local_batch_size * training.seq_len`
-    (the trainer's own micro-batch)."""
+    """Tokens per forward/backward pass. 0: the planner picks the fastest micro-batch among the
+    divisors of `training.batch_size` (whole sequences; the trainer splits every loaded batch
+    accordingly; varlen batches are never split); N: fixed, a multiple of `training.seq_len` whose
+    sequences divide the batch."""
 
     cpu_threads: int = 0
     """Threads of the CPU optimizer. 0 = all cores the process may use minus one."""
@@ -78,7 +80,7 @@ class Offload:
     """Per-decision overrides for experts, comma-separated `key=value`, block index ranges allowed:
     `weights[i-j]=gpu|host|resident` (host = streamed with grads/optimizer on the host,
     resident = weights on GPU with the optimizer on the CPU), `optimizer[*]=gpu|cpu`,
-    `activations[*]=keep|recompute`, `prefetch=2`, `micro_batch_tokens=8192`."""
+    `activations[*]=keep|recompute`, `prefetch=2`, `outer=gpu|host_opt`."""
 
     def validate(self) -> None:
         """Raise ConfigError (one line naming the value) on bad input."""

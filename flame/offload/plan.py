@@ -10,7 +10,8 @@ Takes the trainer's command line (the same parser: TOML + CLI, flame's aliases s
 (`flame.offload.build_plan`), for the machine of the stored ``offload.profile``. The
 data-parallel ranks the host state is sharded over, and the plan is made per rank for, are
 ``parallelism.data_parallel_shard_degree`` x ``data_parallel_replicate_degree`` (-1 counts as 1:
-give the degrees explicitly); rounds = ``training.global_batch_size`` / (local batch x ranks).
+give the degrees explicitly). Micro-batches per step: ``training.gradient_accumulation_steps`` (or
+``training.global_batch_size`` / (batch x ranks)) x the loaded batch / the planner's micro-batch.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import sys
 from types import SimpleNamespace
 
-from flame.config.manager import FlameConfigManager
+from flame.config.manager import FlameConfigManager, accumulation_steps
 from flame.errors import ConfigError
 from flame.offload import build_plan
 from flame.offload.config import Offload
@@ -33,6 +34,7 @@ def plan_for(job) -> tuple[Plan, ModelCosts | None, Offload]:
     off = job.offload
     par = job.parallelism
     world = max(1, par.data_parallel_shard_degree) * max(1, par.data_parallel_replicate_degree)
+    job.training.gradient_accumulation_steps = accumulation_steps(job.training, world)
     if off.plan == "auto" and not off.profile:
         raise ConfigError("offload.profile: required without a GPU (path of a stored hardware profile JSON)")
     config = load_model_config(job.model.config)

@@ -113,7 +113,7 @@ def _parse_overrides(overrides: list[str], n: int) -> dict:
             kind, vals = table[name]
             for i in idx:
                 fixed[kind][i] = vals[v]
-        elif k in ("prefetch", "outer", "rounds"):
+        elif k in ("prefetch", "outer"):
             glob[k] = v
         else:
             raise ConfigError(f"offload.overrides entry {item!r}: unknown key {k!r}")

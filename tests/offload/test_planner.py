@@ -278,3 +278,28 @@ def test_step_calibration_refits_writes_and_reuses_the_plan(tmp_path, monkeypatc
     assert cal.calibrated_plan_for(str(tmp_path), solve(c, p, Dtypes(), 3 * GiB, 64 * GiB, 2, 1, 7), []) is None
     tight = dataclasses.replace(plan, gpu_budget_bytes=new.predicted["peak_gpu_bytes"] - 1)
     assert cal.calibrated_plan_for(str(tmp_path), tight, []) is None
+
+
+def test_micro_batch_candidates_and_accumulation_steps():
+    import types
+
+    from flame.config.manager import accumulation_steps
+    from flame.offload import micro_batch_candidates
+
+    assert micro_batch_candidates(12, 64, 0, False) == [12, 6, 4, 3, 2, 1]
+    assert micro_batch_candidates(12, 64, 0, True) == [12]  # a packed varlen batch is one stream
+    assert micro_batch_candidates(12, 64, 256, False) == [4]
+    for tokens, varlen in ((100, False), (64 * 5, False), (128, True)):
+        with pytest.raises(ConfigError, match=f"offload.micro_batch_tokens {tokens}"):
+            micro_batch_candidates(12, 64, tokens, varlen)
+
+    def t(gb, local, acc):
+        return types.SimpleNamespace(global_batch_size=gb, local_batch_size=local, gradient_accumulation_steps=acc)
+
+    assert accumulation_steps(t(-1, 4, 3), 2) == 3
+    assert accumulation_steps(t(32, 4, 1), 2) == 4  # torchtitan's global batch over 2 ranks
+    assert accumulation_steps(t(32, 4, 4), 2) == 4
+    with pytest.raises(ConfigError, match="disagree"):
+        accumulation_steps(t(32, 4, 2), 2)
+    with pytest.raises(ConfigError, match="not a multiple"):
+        accumulation_steps(t(30, 4, 1), 2)

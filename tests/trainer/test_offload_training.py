@@ -80,3 +80,18 @@ def test_calibration_logs_and_a_recalibrated_plan_is_used_on_resume(tmp_path):
     assert "calibration re-solved" in proc.stdout + proc.stderr
     assert "activations recompute" in proc.stdout + proc.stderr
     assert losses(split) == pytest.approx(losses(full), rel=1e-5, abs=1e-6)
+
+
+def test_accumulation_and_the_planners_micro_batch_match_plain(tmp_path):
+    """gradient_accumulation_steps 2 with offload (2 rounds planned), and a fixed micro-batch of one
+    sequence (each loaded batch of 4 split into 4 passes: 8 rounds) give the plain run's losses."""
+    plain, acc, split = (str(tmp_path / n) for n in ("plain", "acc", "split"))
+    common = ["--training.steps", "4", *COMMON, "--training.gradient_accumulation_steps", "2",
+              "--checkpoint.no-enable-checkpoint", "--checkpoint.no-enable"]
+    run_job(1, plain, *common)
+    proc = run_job(1, acc, *common, *OFFLOAD)
+    assert "2 round(s)/step" in proc.stdout + proc.stderr
+    proc = run_job(1, split, *common, *OFFLOAD, "--offload.micro_batch_tokens", "64")
+    assert "micro-batch 1x64, 8 round(s)/step" in proc.stdout + proc.stderr
+    for d in (acc, split):
+        assert losses(d) == pytest.approx(losses(plain), rel=1e-4, abs=1e-4), (losses(plain), losses(d))

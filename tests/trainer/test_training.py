@@ -73,6 +73,7 @@ def _flame(*args, cwd=ROOT):
         (["--model.tokenizer_path", "/no/such/tokenizer"], "/no/such/tokenizer"),
         (["--job.dump_folder", "/proc/flame-cannot-write"], "job.dump_folder"),
         (["--training.data_parallel_shard_degree", "3"], "world size 1"),
+        (["--training.global_batch_size", "6"], "training.global_batch_size 6"),
     ],
 )
 def test_bad_input_is_one_line_and_nonzero(tmp_path, extra, fragment):

@@ -49,7 +49,7 @@ from flame.offload.runtime.units import Unit, _same, _Slot
 from flame.offload.solver import Plan
 
 TOO_MANY_ROUNDS = ("offload: the plan has {} micro-batch(es) per step but the trainer ran more; "
-                   "plan with the trainer's training.global_batch_size")
+                   "plan with the trainer's training.gradient_accumulation_steps")
 HOST_ADD_CHUNK = 1 << 22  # elements per host-side conversion chunk of a grad add (16 MiB in fp32: cache-friendly)
 CONV_CHUNK = 1 << 25  # elements per GPU conversion chunk (128 MiB in fp32)
 DT = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
