@@ -49,7 +49,10 @@ def check(B, T, HQ, HK, D, mode, cu=None, scale=1.0):
     o = parallel_attention(*got_in, mode, cu_seqlens=cu)
     o.backward(do.float())
     errs = [rel(a, b) for a, b in zip([o] + [x.grad for x in got_in], [o_ref] + [x.grad for x in ref_in])]
-    assert max(errs) < 1e-5, ("seed", SEED, B, T, HQ, HK, D, mode, cu, errs)
+    # softpick/rectified: a logit |x| >= 1e-4 from the kink still has float32 rounding of ~1e-7/|x|
+    # relative in its exp(x) - 1 (measured tail: 1.6e-5 in dv, one seed in ten runs)
+    tol = 1e-5 if mode == "softmax" else 1e-4
+    assert max(errs) < tol, ("seed", SEED, B, T, HQ, HK, D, mode, cu, errs)
     print("ok", mode, B, T, HQ, HK, D, None if cu is None else cu.tolist(), ["%.1e" % e for e in errs])
 
 for mode in ("softmax", "softpick", "rectified"):

@@ -49,6 +49,22 @@ def _doc_bounds(CU, pid_doc, T, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
+def _load_kv(k_base, v_base, kn, offs_d, mask_d, seqlen, KV_STRIDE, D: tl.constexpr, BD: tl.constexpr,
+             MASKED: tl.constexpr):
+    """Key and value rows `kn`; bounds masks only where a tile can cross the document's end or
+    the head dim is padded (unmasked loads keep fewer registers live)."""
+    kv_off = kn[:, None] * KV_STRIDE + offs_d[None, :]
+    if MASKED or D != BD:
+        kv_mask = (kn[:, None] < seqlen) & mask_d[None, :]
+        k = tl.load(k_base + kv_off, mask=kv_mask, other=0.0)
+        v = tl.load(v_base + kv_off, mask=kv_mask, other=0.0)
+    else:
+        k = tl.load(k_base + kv_off)
+        v = tl.load(v_base + kv_off)
+    return k, v
+
+
+@triton.jit
 def _fwd_tiles(
     acc, l, m, q, k_base, v_base, offs_m, lo, hi, seqlen, scale_log2,
     KV_STRIDE, D: tl.constexpr, BD: tl.constexpr,
@@ -59,14 +75,7 @@ def _fwd_tiles(
     mask_d = offs_d < D
     for start in range(lo, hi, BN):
         kn = start + offs_n
-        kv_off = kn[:, None] * KV_STRIDE + offs_d[None, :]
-        if MASKED or D != BD:
-            kv_mask = (kn[:, None] < seqlen) & mask_d[None, :]
-            k = tl.load(k_base + kv_off, mask=kv_mask, other=0.0)
-            v = tl.load(v_base + kv_off, mask=kv_mask, other=0.0)
-        else:
-            k = tl.load(k_base + kv_off)
-            v = tl.load(v_base + kv_off)
+        k, v = _load_kv(k_base, v_base, kn, offs_d, mask_d, seqlen, KV_STRIDE, D, BD, MASKED)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
         if MASKED:
             valid = (offs_m[:, None] >= kn[None, :]) & (kn[None, :] < seqlen)
@@ -99,27 +108,41 @@ def _fwd_tiles(
 
 
 @triton.jit
+def _query_block(CU, T, IS_VARLEN: tl.constexpr):
+    """(query block, head, document start, document length) of this program. Query blocks run in
+    reverse launch order: the last ones see the most keys, so they start first."""
+    blk = tl.num_programs(0) - 1 - tl.program_id(0)
+    bos, seqlen = _doc_bounds(CU, tl.program_id(2), T, IS_VARLEN)
+    return blk, tl.program_id(1), bos, seqlen
+
+
+@triton.jit
+def _query_rows(bos, blk, h, seqlen, HQ, HK, D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr):
+    """Rows of query block `blk` of head `h` in a [T, HQ, D] tensor (offsets and masks) and the
+    offset of its key/value head in [T, HK, D] (GQA)."""
+    offs_m = blk * BM + tl.arange(0, BM)
+    offs_d = tl.arange(0, BD)
+    mask_m = offs_m < seqlen
+    q_mask = mask_m[:, None] & (offs_d[None, :] < D)
+    q_off = bos * (HQ * D) + h * D + offs_m[:, None] * (HQ * D) + offs_d[None, :]
+    kv_base = bos * (HK * D) + (h // (HQ // HK)) * D
+    return offs_m, mask_m, q_off, q_mask, kv_base
+
+
+@triton.jit
 def attn_fwd_kernel(
     Q, K, V, O, LSE, CU, scale_log2, eps, T,
     HQ, HK, D: tl.constexpr, BD: tl.constexpr,
     MODE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr,
 ):
-    # query blocks in reverse launch order: the last ones see the most keys, so they start first
-    blk = tl.num_programs(0) - 1 - tl.program_id(0)
-    h = tl.program_id(1)
-    bos, seqlen = _doc_bounds(CU, tl.program_id(2), T, IS_VARLEN)
+    blk, h, bos, seqlen = _query_block(CU, T, IS_VARLEN)
     if blk * BM >= seqlen:
         return
-    hk = h // (HQ // HK)
-    offs_m = blk * BM + tl.arange(0, BM)
-    offs_d = tl.arange(0, BD)
-    mask_m = offs_m < seqlen
-    mask_d = offs_d < D
-    q_ptrs = Q + bos * (HQ * D) + h * D + offs_m[:, None] * (HQ * D) + offs_d[None, :]
-    q = tl.load(q_ptrs, mask=mask_m[:, None] & mask_d[None, :], other=0.0)
-    k_base = K + bos * (HK * D) + hk * D
-    v_base = V + bos * (HK * D) + hk * D
+    offs_m, mask_m, q_off, q_mask, kv_base = _query_rows(bos, blk, h, seqlen, HQ, HK, D, BD, BM)
+    q = tl.load(Q + q_off, mask=q_mask, other=0.0)
+    k_base = K + kv_base
+    v_base = V + kv_base
 
     acc = tl.zeros([BM, BD], dtype=tl.float32)
     l = tl.zeros([BM], dtype=tl.float32)
@@ -143,8 +166,7 @@ def attn_fwd_kernel(
         safe = tl.where(pos, l, 1.0)
         o = tl.where(pos[:, None], acc / safe[:, None], 0.0)
         lse = tl.where(pos, m + tl.log2(safe), 1.0e30)
-    o_ptrs = O + bos * (HQ * D) + h * D + offs_m[:, None] * (HQ * D) + offs_d[None, :]
-    tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+    tl.store(O + q_off, o.to(O.dtype.element_ty), mask=q_mask)
     tl.store(LSE + (bos + offs_m) * HQ + h, lse, mask=mask_m)
 
 
@@ -288,14 +310,7 @@ def _dq_tiles(
     mask_d = offs_d < D
     for start in range(lo, hi, BN):
         kn = start + tl.arange(0, BN)
-        kv_off = kn[:, None] * KV_STRIDE + offs_d[None, :]
-        if MASKED or D != BD:
-            kv_mask = (kn[:, None] < seqlen) & mask_d[None, :]
-            k = tl.load(k_base + kv_off, mask=kv_mask, other=0.0)
-            v = tl.load(v_base + kv_off, mask=kv_mask, other=0.0)
-        else:
-            k = tl.load(k_base + kv_off)
-            v = tl.load(v_base + kv_off)
+        k, v = _load_kv(k_base, v_base, kn, offs_d, mask_d, seqlen, KV_STRIDE, D, BD, MASKED)
         s = tl.dot(q, tl.trans(k), input_precision=PREC)         # raw logits
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
         valid = (offs_m[:, None] >= kn[None, :]) & (kn[None, :] < seqlen)
@@ -311,18 +326,10 @@ def attn_bwd_dq_kernel(
     MODE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr, RAW_SIGN: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr,
 ):
-    # query blocks in reverse launch order: the last ones see the most keys, so they start first
-    blk = tl.num_programs(0) - 1 - tl.program_id(0)
-    h = tl.program_id(1)
-    bos, seqlen = _doc_bounds(CU, tl.program_id(2), T, IS_VARLEN)
+    blk, h, bos, seqlen = _query_block(CU, T, IS_VARLEN)
     if blk * BM >= seqlen:
         return
-    hk = h // (HQ // HK)
-    offs_m = blk * BM + tl.arange(0, BM)
-    offs_d = tl.arange(0, BD)
-    mask_m = offs_m < seqlen
-    q_mask = mask_m[:, None] & (offs_d[None, :] < D)
-    q_off = bos * (HQ * D) + h * D + offs_m[:, None] * (HQ * D) + offs_d[None, :]
+    offs_m, mask_m, q_off, q_mask, kv_base = _query_rows(bos, blk, h, seqlen, HQ, HK, D, BD, BM)
     q = tl.load(Q + q_off, mask=q_mask, other=0.0)
     do = tl.load(DO + q_off, mask=q_mask, other=0.0)
     lse = tl.load(LSE + (bos + offs_m) * HQ + h, mask=mask_m, other=float("inf"))
@@ -330,8 +337,8 @@ def attn_bwd_dq_kernel(
     # per-row constants, broadcast once outside the tile loops
     lse_b = lse[:, None]
     delta_b = delta[:, None]
-    k_base = K + bos * (HK * D) + hk * D
-    v_base = V + bos * (HK * D) + hk * D
+    k_base = K + kv_base
+    v_base = V + kv_base
     dq = tl.zeros([BM, BD], dtype=tl.float32)
     diag = blk * BM
     dq = _dq_tiles(dq, q, do, lse_b, lse_b, delta_b, k_base, v_base, offs_m, 0, diag, seqlen, scale_log2,
