@@ -3,10 +3,12 @@
 (a) 3B Llama-shaped model at a 16 GiB GPU cap (offload engine) vs fully resident (plain torch,
     fp32 master + autocast bf16, fused GPU AdamW) vs FSDP2 CPUOffloadPolicy (world 1);
 (b) 8B Llama-shaped model with bf16 states at a 24 GiB cap: useful TFLOP/s vs the measured
-    bf16 GEMM ceiling;
+    bf16 GEMM ceiling, at 1 x 8192 and at 4 x 8192 tokens per step (row b_..._32k);
 (c) predicted vs measured step time and peak GPU memory of every engine run, with the engine's
     memory split into static (its own buffers: memory_report) and what a step adds on top.
-(a) runs several micro-batches per optimizer step (--a_rounds, same tokens/step in every row).
+(a) runs --a_rounds sequences of 4096 tokens per optimizer step in every row: the resident and
+FSDP2 rows one sequence per pass; the engine rows with the micro-batch the planner picks among the
+divisors (as the trainer does), so every row trains the same tokens per step.
 Every row runs in its own process (a row's memory cannot OOM the next one) under a wall cap, so
 the whole script fits one device call.
 All models: activation checkpointing where the baseline needs it to fit, seq 4096/8192.
@@ -33,7 +35,7 @@ from flame.offload.cost_model import Dtypes  # noqa: E402
 from flame.offload.costs import measure_costs, meta_model  # noqa: E402
 from flame.offload.profile import measure, save  # noqa: E402
 from flame.offload.runtime.engine import OffloadEngine  # noqa: E402
-from flame.offload.solver import describe, solve  # noqa: E402
+from flame.offload.solver import describe, solve_micro_batches  # noqa: E402
 
 GiB = 1024**3
 
@@ -166,27 +168,31 @@ def run_fsdp2_offload(cfg, mb, seq, rounds, steps):
     return out
 
 
-def run_engine(cfg, prof, dt, cap_gib, mb, seq, rounds, steps, model_dtype):
-    """One engine row. Under torchrun (section m) every rank runs it on its own GPU with its host
-    state sharded over the ranks; tokens/s is then global and memory is rank 0's."""
+def run_engine(cfg, prof, dt, cap_gib, seq, step_sequences, steps, model_dtype):
+    """One engine row: `step_sequences` sequences of `seq` tokens per optimizer step, the micro-batch
+    chosen by the planner among the divisors (as the trainer does). Under torchrun (section m)
+    every rank runs it on its own GPU with its host state sharded over the ranks; tokens/s is
+    then global and memory is rank 0's."""
     from transformers import AutoModelForCausalLM
 
     from flame.offload import agree_on_plan
 
     world = dist_world()
-
-    costs = measure_costs(meta_model(cfg, dtype=getattr(torch, dt.compute)), mb, seq,
-                          loss_chunk_tokens=LOSS_CHUNK["tokens"])
+    meta = meta_model(cfg, dtype=getattr(torch, dt.compute))
+    costs_of = {mb: measure_costs(meta, mb, seq, loss_chunk_tokens=LOSS_CHUNK["tokens"])
+                for mb in range(1, step_sequences + 1) if step_sequences % mb == 0}
     threads = max(1, len(os.sched_getaffinity(0)) - 1)
     # host budget: the machine's RAM minus 16 GiB (other sections' memory may not be returned to
     # the OS yet, so MemAvailable would understate it)
     host = prof.host_total_bytes - 16 * GiB
-    cal = measure_block_fudge(cfg, costs, prof, mb, seq, getattr(torch, dt.compute))
+    cal = measure_block_fudge(cfg, costs_of[1], prof, 1, seq, getattr(torch, dt.compute))
     print("block calibration", cal, flush=True)
     # per rank: the host (one machine) is shared by the ranks
-    plan = solve(costs, prof, dt, int(cap_gib * GiB), host // world, mb, rounds, threads // world, depths=(1, 2, 3),
-                 fudge=cal["fudge"], world=world)
+    plan, costs = solve_micro_batches(costs_of, step_sequences, prof, dt, int(cap_gib * GiB), host // world,
+                                      threads // world, depths=(1, 2, 3), fudge=cal["fudge"], world=world)
     plan = agree_on_plan(plan)
+    costs = costs_of[plan.micro_batch]
+    mb, rounds = plan.micro_batch, plan.rounds
     text = describe(plan, costs)
     print(text, flush=True)
     torch.manual_seed(0)  # the same initial weights on every rank
@@ -257,6 +263,7 @@ ROWS = {
     "a_resident": 60,
     "a_fsdp2_cpu_offload": 150,
     "b_8B_bf16_24GiB": 130,
+    "b_8B_bf16_24GiB_32k": 150,
     "m_8B_bf16_24GiB": 180,
 }
 
@@ -282,10 +289,10 @@ def run_row(name: str, args) -> dict:
     fp32, bf16 = Dtypes(), Dtypes("bfloat16", "bfloat16", "bfloat16", "bfloat16")
     r = args.a_rounds
     if name == "a_offload_16GiB":
-        return run_engine(llama("3B"), prof, fp32, 16, A_MB, A_SEQ, r, args.steps, torch.float32)
+        return run_engine(llama("3B"), prof, fp32, 16, A_SEQ, A_MB * r, args.steps, torch.float32)
     if name == "a_offload_16GiB_bf16_grads":
         # fp32 master and moments, bf16 gradients: every block's accumulator fits on the GPU
-        return run_engine(llama("3B"), prof, Dtypes("bfloat16", "float32", "bfloat16", "float32"), 16, A_MB, A_SEQ, r,
+        return run_engine(llama("3B"), prof, Dtypes("bfloat16", "float32", "bfloat16", "float32"), 16, A_SEQ, A_MB * r,
                           args.steps, torch.float32)
     if name == "a_resident":
         return run_resident(llama("3B"), A_MB, A_SEQ, r, args.steps)
@@ -293,7 +300,10 @@ def run_row(name: str, args) -> dict:
         return run_fsdp2_offload(llama("3B"), A_MB, A_SEQ, r, 1)
     if name in ("b_8B_bf16_24GiB", "m_8B_bf16_24GiB"):
         # m: the same per-GPU work on every GPU of the machine (weak scaling against b)
-        return run_engine(llama("8B"), prof, bf16, 24, 1, 8192, 1, args.steps, torch.bfloat16)
+        return run_engine(llama("8B"), prof, bf16, 24, 8192, 1, args.steps, torch.bfloat16)
+    if name == "b_8B_bf16_24GiB_32k":
+        # 4 x 8192 tokens per step: the CPU AdamW over 8B parameters is shared by 4x the compute
+        return run_engine(llama("8B"), prof, bf16, 24, 8192, 4, args.steps, torch.bfloat16)
     raise ValueError(name)
 
 
@@ -428,6 +438,9 @@ def main():
     b = res.get("b_8B_bf16_24GiB", {})
     if "useful_tflops" in b:
         summ["b_fraction_of_ceiling"] = b["useful_tflops"] / ceiling
+    b32 = res.get("b_8B_bf16_24GiB_32k", {})
+    if "useful_tflops" in b32:
+        summ["b_32k_fraction_of_ceiling"] = b32["useful_tflops"] / ceiling
     m = res.get("m_8B_bf16_24GiB", {})
     if "tokens_per_s" in m and "tokens_per_s" in b:
         summ["m_gpus"] = m["world"]

@@ -2,7 +2,7 @@
 
 Costs are measured on the meta device, the hardware profile is the one stored in a benchmark
 result JSON (default: the H100 run 4), and `solve` picks the plan exactly as benchmarks/offload.py
-does (block calibration factor 1). Prints a table and writes JSON. These are predictions of the
+does (the micro-batch chosen among the divisors of the step's sequences; block calibration factor 1). Prints a table and writes JSON. These are predictions of the
 cost model, not measurements: benchmarks/offload.py --loss_chunk_tokens N measures them.
 
 Usage: python benchmarks/offload_predict.py [--result benchmarks/results/offload_h100_run4.json]
@@ -25,14 +25,16 @@ from benchmarks.offload import A_MB, A_SEQ, llama  # noqa: E402
 from flame.offload.cost_model import Dtypes  # noqa: E402
 from flame.offload.costs import measure_costs, meta_model  # noqa: E402
 from flame.offload.profile import HardwareProfile  # noqa: E402
-from flame.offload.solver import solve  # noqa: E402
+from flame.offload.solver import solve_micro_batches  # noqa: E402
 
 GiB = 1024**3
-# the rows of benchmarks/offload.py: (name, model, dtypes, GPU cap GiB, micro-batch, seq, rounds)
+# the engine rows of benchmarks/offload.py: (name, model, dtypes, GPU cap GiB, seq, sequences per step)
+BF16 = Dtypes("bfloat16", "bfloat16", "bfloat16", "bfloat16")
 ROWS = [
-    ("a_offload_16GiB", "3B", Dtypes(), 16, A_MB, A_SEQ, 8),
-    ("a_offload_16GiB_bf16_grads", "3B", Dtypes("bfloat16", "float32", "bfloat16", "float32"), 16, A_MB, A_SEQ, 8),
-    ("b_8B_bf16_24GiB", "8B", Dtypes("bfloat16", "bfloat16", "bfloat16", "bfloat16"), 24, 1, 8192, 1),
+    ("a_offload_16GiB", "3B", Dtypes(), 16, A_SEQ, 8 * A_MB),
+    ("a_offload_16GiB_bf16_grads", "3B", Dtypes("bfloat16", "float32", "bfloat16", "float32"), 16, A_SEQ, 8 * A_MB),
+    ("b_8B_bf16_24GiB", "8B", BF16, 24, 8192, 1),
+    ("b_8B_bf16_24GiB_32k", "8B", BF16, 24, 8192, 4),
 ]
 
 
@@ -50,23 +52,27 @@ def main():
     chunks = [int(c) for c in args.chunks.split(",")]
     rows = []
     print(f"profile: {prof.device_name} (from {args.result}); predictions, not measurements")
-    print("| run | loss chunk | predicted step s | vs plain | peak GPU GiB | transient GiB | streamed | recomputed | outer |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for name, size, dt, cap, mb, seq, rounds in ROWS:
+    print("| run | loss chunk | micro-batch x rounds | predicted step s | vs plain | useful MFU % | peak GPU GiB | "
+          "streamed | recomputed | outer |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name, size, dt, cap, seq, step_sequences in ROWS:
         base = None
+        meta = meta_model(llama(size), dtype=getattr(torch, dt.compute))
         for chunk in chunks:
-            costs = measure_costs(meta_model(llama(size), dtype=getattr(torch, dt.compute)), mb, seq, loss_chunk_tokens=chunk)
-            plan = solve(costs, prof, dt, cap * GiB, host, mb, rounds, threads)
+            costs_of = {mb: measure_costs(meta, mb, seq, loss_chunk_tokens=chunk)
+                        for mb in range(1, step_sequences + 1) if step_sequences % mb == 0}
+            plan, _ = solve_micro_batches(costs_of, step_sequences, prof, dt, cap * GiB, host, threads)
             pr = plan.predicted
             base = base or pr["step_s"]
-            row = {"run": name, "loss_chunk_tokens": chunk, "predicted_step_s": pr["step_s"],
-                   "speedup_vs_plain": base / pr["step_s"], "peak_gpu_bytes": pr["peak_gpu_bytes"],
-                   "transient_bytes": pr["transient_bytes"], "streamed_blocks": plan.layer_modes.count("stream"),
+            row = {"run": name, "loss_chunk_tokens": chunk, "micro_batch": plan.micro_batch, "rounds": plan.rounds,
+                   "predicted_step_s": pr["step_s"], "speedup_vs_plain": base / pr["step_s"], "mfu": pr["mfu"],
+                   "peak_gpu_bytes": pr["peak_gpu_bytes"], "transient_bytes": pr["transient_bytes"],
+                   "streamed_blocks": plan.layer_modes.count("stream"),
                    "recomputed_blocks": plan.layer_acts.count("recompute"), "outer": plan.outer_mode}
             rows.append(row)
-            print(f"| {name} | {chunk or 'plain'} | {pr['step_s']:.3f} | {base / pr['step_s']:.2f}x | "
-                  f"{pr['peak_gpu_bytes'] / GiB:.2f} | {pr['transient_bytes'] / GiB:.2f} | {row['streamed_blocks']} | "
-                  f"{row['recomputed_blocks']} | {plan.outer_mode} |", flush=True)
+            print(f"| {name} | {chunk or 'plain'} | {plan.micro_batch} x {plan.rounds} | {pr['step_s']:.3f} | "
+                  f"{base / pr['step_s']:.2f}x | {100 * pr['mfu']:.1f} | {pr['peak_gpu_bytes'] / GiB:.2f} | "
+                  f"{row['streamed_blocks']} | {row['recomputed_blocks']} | {plan.outer_mode} |", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"kind": "cost-model predictions (no GPU run)", "command": " ".join(sys.argv),

@@ -35,7 +35,7 @@ def build_plan(model, job_config, device, world: int = 1, threads_from_profile: 
     from flame.offload.cost_model import Dtypes
     from flame.offload.costs import measure_costs, meta_model
     from flame.offload.profile import load, measure, save
-    from flame.offload.solver import Plan, solve
+    from flame.offload.solver import Plan, solve_micro_batches
 
     off: Offload = _get(job_config, "offload", None) or Offload()
     off.validate()
@@ -83,21 +83,10 @@ def build_plan(model, job_config, device, world: int = 1, threads_from_profile: 
 
         # one real block timed at the run's shapes: scales the FLOP-based compute times
         fudge = measure_block_fudge(model.config, costs_of[candidates[0]], prof, candidates[0], seq, cdt)["fudge"]
-    # the micro-batch: the fastest plan over the candidates (every one runs the step's tokens);
-    # a minimum over sets that each grow with the budget, so the monotonicity of solve holds
-    best, costs, missing = None, None, None
-    for mb in candidates:
-        try:
-            plan = solve(costs_of[mb], prof, dt, gpu, host, mb, accum * (local // mb), threads, depths, off.overrides,
-                         allow_offload=off.enable != "off", fudge=fudge, world=world)
-        except ConfigError as e:
-            missing = e  # the last is the smallest micro-batch's: the closest to fitting
-            continue
-        if best is None or plan.predicted["step_s"] < best.predicted["step_s"] - 1e-12:
-            best, costs = plan, costs_of[mb]
-    if best is None:
-        raise missing
-    plan = best
+    # the micro-batch: the fastest plan over the candidates (every one runs the step's tokens)
+    plan, costs = solve_micro_batches(costs_of, accum * local, prof, dt, gpu, host, threads, depths=depths,
+                                      overrides=off.overrides, allow_offload=off.enable != "off", fudge=fudge,
+                                      world=world)
     plan.predicted["compute_fudge"] = fudge
     if off.calibrate:
         from flame.offload.calibration import calibrated_plan_for

@@ -193,6 +193,27 @@ def solve(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, gpu_budget: int,
     return plan
 
 
+def solve_micro_batches(costs_of: dict[int, ModelCosts], step_sequences: int, prof: HardwareProfile, dt: Dtypes,
+                        gpu_budget: int, host_budget: int, cpu_threads: int, **kw) -> tuple[Plan, ModelCosts]:
+    """The fastest plan over micro-batches: `costs_of` maps candidate sequences per micro-batch
+    (each dividing `step_sequences`) to their measured costs; rounds = step_sequences / micro-batch,
+    so every candidate runs the same tokens per step. A minimum over plans that each only get
+    faster with more GPU memory, so the monotonicity of `solve` holds. Raises the smallest
+    candidate's "needs ..." error when none fits."""
+    best, best_costs, missing = None, None, None
+    for mb in sorted(costs_of, reverse=True):
+        try:
+            plan = solve(costs_of[mb], prof, dt, gpu_budget, host_budget, mb, step_sequences // mb, cpu_threads, **kw)
+        except ConfigError as e:
+            missing = e  # the last is the smallest micro-batch's: the closest to fitting
+            continue
+        if best is None or plan.predicted["step_s"] < best.predicted["step_s"] - 1e-12:
+            best, best_costs = plan, costs_of[mb]
+    if best is None:
+        raise missing
+    return best, best_costs
+
+
 def _acc_options(modes: list[str], outer: str, rounds: int) -> list[list[tuple[bool, list[bool]]]]:
     """GPU grad accumulation choices (outer, per block), in groups of growing GPU memory: with and
     without the outer, for a fixed ladder of counts of host blocks (spread evenly). A fixed set,
