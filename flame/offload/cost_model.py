@@ -327,7 +327,7 @@ def predict(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, layer_modes, l
         total += _flow(fw, depth)
         bw = []
         for k in range(n, -1, -1):  # layers n-1..0 then outer (index 0)
-            u, m = units[k], modes[k]
+            m = modes[k]
             # streamed layers still in a slot after the forward (the last depth+1) are not refetched
             refetch = m == "stream" and k >= 1 and (k - 1) < n - (depth + 1)
             b = sn[k] * c if refetch else 0

@@ -3,7 +3,6 @@
 import dataclasses
 
 import pytest
-import torch
 from transformers import LlamaConfig
 
 from flame.errors import ConfigError
