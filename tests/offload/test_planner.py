@@ -302,3 +302,30 @@ def test_micro_batch_candidates_and_accumulation_steps():
         accumulation_steps(t(32, 4, 2), 2)
     with pytest.raises(ConfigError, match="not a multiple"):
         accumulation_steps(t(30, 4, 1), 2)
+
+
+def test_micro_batch_search_respects_budgets_and_is_monotone():
+    """The planner's micro-batch choice (fastest over the divisors of 4 sequences per step): every
+    plan within both budgets, never slower with more GPU memory, smaller micro-batches where the
+    budget is tight."""
+    from flame.offload.solver import solve_micro_batches
+
+    cfg = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=8,
+                      num_key_value_heads=4, vocab_size=32000, use_cache=False)
+    cfg._attn_implementation = "sdpa"
+    meta = meta_model(cfg)
+    costs_of = {mb: measure_costs(meta, mb, 2048, loss_chunk_tokens=1024) for mb in (4, 2, 1)}
+    last, chosen = None, []
+    for gib in (1.5, 2, 3, 4, 6, 8, 12, 24):
+        try:
+            plan, c = solve_micro_batches(costs_of, 4, prof(), Dtypes(), int(gib * GiB), 64 * GiB, 15, depths=(1, 2))
+        except ConfigError as e:
+            assert last is None and "needs" in str(e)
+            continue
+        assert c is costs_of[plan.micro_batch] and plan.rounds * plan.micro_batch == 4
+        assert plan.predicted["peak_gpu_bytes"] <= gib * GiB and plan.predicted["peak_host_bytes"] <= 64 * GiB
+        if last is not None:
+            assert plan.predicted["step_s"] <= last + 1e-12
+        last = plan.predicted["step_s"]
+        chosen.append(plan.micro_batch)
+    assert last is not None and chosen[0] < chosen[-1], chosen
