@@ -144,15 +144,16 @@ class Trainer(Stateful):
             else None
         )
 
+        if self.device.type == "cpu":
+            from flame.models.cpu import enable_cpu_fallbacks
+
+            # before the model is built: FLA layers bind their activation functions at construction
+            enable_cpu_fallbacks()
         model = model_build.build_meta_model(self.model_config, varlen=t.varlen)
         self.n_params = model_build.count_params(model)
         logger.info(
             f"Model {self.model_config.model_type} from {cfg.model.config}: {self.n_params:,} parameters, vocab {vocab}"
         )
-        if self.device.type == "cpu":
-            from flame.models.cpu import enable_cpu_fallbacks
-
-            enable_cpu_fallbacks()
 
         model, self.offload = parallelize(model, pd, cfg, self.device, lambda m: model_build.init_weights(m, seed))
         if self.offload is None:
