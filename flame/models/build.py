@@ -79,7 +79,10 @@ def _clear_init_marks(model: nn.Module) -> None:
 @torch.no_grad()
 def init_weights(model: nn.Module, seed: int | None = None) -> None:
     """Run the model's own initialization on materialized (possibly sharded) parameters."""
+    from flame.models.constructor_init import check_initialized, fill_nan, restore_constructor_values
+
     _clear_init_marks(model)
+    fill_nan(model)  # whatever no init below touches shows up in check_initialized
     if seed is not None:
         torch.manual_seed(seed)
     if hasattr(model, "init_weights"):
@@ -88,6 +91,8 @@ def init_weights(model: nn.Module, seed: int | None = None) -> None:
         for m in model.modules():
             if hasattr(m, "reset_parameters"):
                 m.reset_parameters()
+    restore_constructor_values(model)
+    check_initialized(model)
 
 
 def count_params(model: nn.Module, exclude_embeddings: bool = False) -> int:
