@@ -48,12 +48,13 @@ def _mamba_mixer(m: nn.Module) -> None:
 
 @torch.no_grad()
 def restore_constructor_values(model: nn.Module) -> None:
-    samba = type(model).__name__.startswith("Samba")
+    # by config, not class name: FSDP2 renames the class (FSDPSambaForCausalLM)
+    samba = getattr(getattr(model, "config", None), "model_type", None) == "samba"
     for module in model.modules():
-        kind = type(module).__name__
-        if samba and kind == "Mamba" and hasattr(module, "A_log"):
+        kinds = {c.__name__ for c in type(module).__mro__}  # FSDP2 subclasses what it wraps
+        if samba and "Mamba" in kinds and hasattr(module, "A_log"):
             _mamba_mixer(module)
-        elif kind == "HGRN2Model" and isinstance(getattr(module, "lower_bounds", None), torch.Tensor):
+        elif "HGRN2Model" in kinds and isinstance(getattr(module, "lower_bounds", None), torch.Tensor):
             _assign(module.lower_bounds, torch.zeros(module.lower_bounds.shape))
 
 

@@ -67,3 +67,13 @@ def test_every_family_steps_through_the_trainer(tmp_path, family):
             config=os.path.join(ROOT, "configs/debug", f"{family}.json"))
     ls = losses(dump)
     assert len(ls) == 2 and all(map(math.isfinite, ls)), ls
+
+
+@pytest.mark.parametrize("family", ["samba", "hgrn2"])
+def test_constructor_values_restored_under_fsdp2(tmp_path, family):
+    """Two gloo ranks (FSDP2 renames the wrapped classes; the restored values are sharded DTensors)."""
+    dump = str(tmp_path / family)
+    run_job(2, dump, "--training.steps", "2", "--checkpoint.no-enable-checkpoint", "--checkpoint.no-enable",
+            config=os.path.join(ROOT, "configs/debug", f"{family}.json"))
+    ls = losses(dump)
+    assert len(ls) == 2 and all(map(math.isfinite, ls)), ls
