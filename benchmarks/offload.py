@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from flame.components.chunked_loss import chunked_head_loss, install_chunked_head, take_chunked_loss  # noqa: E402
 from flame.offload.calibration import measure_block_fudge  # noqa: E402
 from flame.offload.cost_model import Dtypes  # noqa: E402
-from flame.offload.costs import measure_costs, meta_model  # noqa: E402
+from flame.offload.costs import model_costs  # noqa: E402
 from flame.offload.profile import measure, save  # noqa: E402
 from flame.offload.runtime.engine import OffloadEngine  # noqa: E402
 from flame.offload.solver import describe, solve_micro_batches  # noqa: E402
@@ -178,9 +178,9 @@ def run_engine(cfg, prof, dt, cap_gib, seq, step_sequences, steps, model_dtype):
     from flame.offload import agree_on_plan
 
     world = dist_world()
-    meta = meta_model(cfg, dtype=getattr(torch, dt.compute))
-    costs_of = {mb: measure_costs(meta, mb, seq, loss_chunk_tokens=LOSS_CHUNK["tokens"])
-                for mb in range(1, step_sequences + 1) if step_sequences % mb == 0}
+    costs_of = model_costs(cfg, getattr(torch, dt.compute), [mb for mb in range(1, step_sequences + 1)
+                                                              if step_sequences % mb == 0], seq,
+                           loss_chunk_tokens=LOSS_CHUNK["tokens"])
     threads = max(1, len(os.sched_getaffinity(0)) - 1)
     # host budget: the machine's RAM minus 16 GiB (other sections' memory may not be returned to
     # the OS yet, so MemAvailable would understate it)

@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.offload import A_MB, A_SEQ, llama  # noqa: E402
 from flame.offload.cost_model import Dtypes  # noqa: E402
-from flame.offload.costs import measure_costs, meta_model  # noqa: E402
+from flame.offload.costs import model_costs  # noqa: E402
 from flame.offload.profile import HardwareProfile  # noqa: E402
 from flame.offload.solver import solve_micro_batches  # noqa: E402
 
@@ -57,10 +57,10 @@ def main():
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name, size, dt, cap, seq, step_sequences in ROWS:
         base = None
-        meta = meta_model(llama(size), dtype=getattr(torch, dt.compute))
         for chunk in chunks:
-            costs_of = {mb: measure_costs(meta, mb, seq, loss_chunk_tokens=chunk)
-                        for mb in range(1, step_sequences + 1) if step_sequences % mb == 0}
+            costs_of = model_costs(llama(size), getattr(torch, dt.compute),
+                                   [mb for mb in range(1, step_sequences + 1) if step_sequences % mb == 0], seq,
+                                   loss_chunk_tokens=chunk)
             plan, _ = solve_micro_batches(costs_of, step_sequences, prof, dt, cap * GiB, host, threads)
             pr = plan.predicted
             base = base or pr["step_s"]

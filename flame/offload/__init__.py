@@ -33,7 +33,7 @@ def build_plan(model, job_config, device, world: int = 1, threads_from_profile: 
     another machine) instead of the cores this process may use."""
     from flame.offload.budgets import gpu_budget_bytes, host_budget_bytes
     from flame.offload.cost_model import Dtypes
-    from flame.offload.costs import measure_costs, meta_model
+    from flame.offload.costs import model_costs
     from flame.offload.profile import load, measure, save
     from flame.offload.solver import Plan, solve_micro_batches
 
@@ -47,8 +47,7 @@ def build_plan(model, job_config, device, world: int = 1, threads_from_profile: 
     candidates = micro_batch_candidates(local, seq, off.micro_batch_tokens, bool(_get(job_config, "training.varlen", False)))
     cdt = getattr(torch, off.compute_dtype)
     chunk = int(_get(job_config, "training.loss_chunk_tokens", 0) or 0)
-    meta = meta_model(model.config, dtype=cdt)
-    costs_of = {mb: measure_costs(meta, mb, seq, loss_chunk_tokens=chunk) for mb in candidates}
+    costs_of = model_costs(model.config, cdt, candidates, seq, loss_chunk_tokens=chunk)
     path = off.profile or os.path.join(_get(job_config, "job.dump_folder", "."), "offload_profile.json")
     if os.path.isfile(path):
         prof = load(path)

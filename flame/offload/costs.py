@@ -9,7 +9,8 @@ HF/FLA causal LM whose blocks are the largest ModuleList of same-class children.
 Attention: on meta, torch's SDPA decomposes to a dense T x T score matrix, which flash kernels
 never store. During measurement SDPA is replaced by a stand-in with flash attention's saved set
 (q, k, v, out, fp32 logsumexp) and its useful FLOPs are counted separately (causal: half the
-dense score matrix). FLA's Triton kernels cannot run on meta; measure FLA models on a GPU.
+dense score matrix). FLA's Triton kernels cannot run on meta: `model_costs` measures FLA models
+with flame's torch implementations standing in.
 """
 
 from __future__ import annotations
@@ -257,6 +258,25 @@ def measure_costs(model: nn.Module, micro_batch: int, seq_len: int, loss: bool =
 @contextlib.contextmanager
 def _noop():
     yield
+
+
+def model_costs(config, dtype, micro_batches, seq_len: int, loss_chunk_tokens: int = 0) -> dict[int, ModelCosts]:
+    """Costs of a model config at each micro-batch (sequences), measured on the meta device. FLA's
+    Triton ops cannot run on meta: flame's torch implementations stand in during the measurement
+    (their saved tensors and FLOPs approximate the kernels'; the block calibration and the in-run
+    calibration correct time, the logged peak shows the memory error)."""
+    from flame.models.cpu import cpu_fallbacks
+
+    from flame.errors import ConfigError
+
+    with cpu_fallbacks():
+        meta = meta_model(config, dtype=dtype)
+        try:
+            return {mb: measure_costs(meta, mb, seq_len, loss_chunk_tokens=loss_chunk_tokens) for mb in micro_batches}
+        except (RuntimeError, NotImplementedError, ValueError) as e:
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise ConfigError(f"offload: the costs of model type {getattr(config, 'model_type', '?')!r} cannot be "
+                              f"measured on the meta device in {dtype} ({first})") from None
 
 
 def meta_model(config, dtype=torch.bfloat16) -> nn.Module:

@@ -76,8 +76,12 @@ def test_enable_is_idempotent_and_dispatches_by_device(cpu_fallbacks):
     assert gla_layer.chunk_gla is before
     original = getattr(before, MARK)
     assert original.__module__ == 'fla.ops.gla.chunk' and not hasattr(original, MARK)
-    # the dispatcher itself: CPU -> torch implementation, any other device -> the original
+    # the dispatcher itself: CPU and meta (the offload planner's measurement) -> torch
+    # implementation, any other device -> the original (a fake CUDA tensor stands for one here)
+    from torch._subclasses.fake_tensor import FakeTensorMode
     d = make_dispatcher(lambda *a, **k: 'original', lambda *a, **k: 'torch')
     assert d(torch.zeros(1)) == 'torch'
-    assert d(torch.zeros(1, device='meta')) == 'original'
-    assert d(q=torch.zeros(1, device='meta')) == 'original'
+    assert d(q=torch.zeros(1, device='meta')) == 'torch'
+    with FakeTensorMode():
+        cuda = torch.empty(1, device='cuda')
+    assert d(cuda) == 'original' and d(q=cuda) == 'original'

@@ -95,3 +95,25 @@ def test_accumulation_and_the_planners_micro_batch_match_plain(tmp_path):
     assert "micro-batch 1x64, 8 round(s)/step" in proc.stdout + proc.stderr
     for d in (acc, split):
         assert losses(d) == pytest.approx(losses(plain), rel=1e-4, abs=1e-4), (losses(plain), losses(d))
+
+
+@pytest.mark.parametrize("family", ["gla", "samba"])
+def test_fla_families_offload_like_plain(tmp_path, family):
+    """FLA models through the planner (their Triton ops measured on meta through flame's torch
+    implementations) and the engine: the plain run's losses."""
+    config = os.path.join(ROOT, "configs/debug", f"{family}.json")
+    plain, off = str(tmp_path / "plain"), str(tmp_path / "off")
+    common = ["--training.steps", "3", *COMMON, "--checkpoint.no-enable-checkpoint", "--checkpoint.no-enable"]
+    run_job(1, plain, *common, config=config)
+    run_job(1, off, *common, *OFFLOAD, config=config)
+    assert losses(off) == pytest.approx(losses(plain), rel=1e-3), (losses(plain), losses(off))
+
+
+def test_a_family_the_planner_cannot_measure_is_a_one_line_error(tmp_path):
+    from tests.trainer.test_training import _flame
+    from tests.trainer.helpers import tiny_job
+
+    proc = _flame(*tiny_job(str(tmp_path / "run"), "--training.steps", "2", "--offload.enable", "on",
+                            "--offload.profile", PROFILE, config=os.path.join(ROOT, "configs/debug/mamba2.json")))
+    errors = [l for l in proc.stderr.splitlines() if l.startswith("flame: error:")]
+    assert proc.returncode != 0 and len(errors) == 1 and "'mamba2' cannot be measured" in errors[0], proc.stderr[-2000:]

@@ -13,7 +13,9 @@ Triton's "0 active drivers" error).
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
+import sys
 
 from flame.models.cpu import modules as M
 from flame.models.cpu import ops as O
@@ -93,5 +95,41 @@ def cpu_fallbacks_enabled() -> bool:
     return _state['enabled']
 
 
-__all__ = ['CPU_FAMILIES', 'FUNCTION_PATCHES', 'MARK', 'cpu_fallbacks_enabled', 'enable_cpu_fallbacks',
-           'install_attention_standins']
+__all__ = ['CPU_FAMILIES', 'FUNCTION_PATCHES', 'MARK', 'cpu_fallbacks', 'cpu_fallbacks_enabled', 'disable_cpu_fallbacks',
+           'enable_cpu_fallbacks', 'install_attention_standins']
+
+
+def disable_cpu_fallbacks() -> None:
+    """Undo enable_cpu_fallbacks: every rebound name and registry entry back to FLA's original
+    (the flash-attn stand-ins stay: flash-attn is absent either way)."""
+    for name, mod in list(sys.modules.items()):
+        if mod is None or not (name == 'fla' or name.startswith('fla.')):
+            continue
+        for attr, val in list(getattr(mod, '__dict__', {}).items()):
+            if hasattr(val, MARK):
+                setattr(mod, attr, getattr(val, MARK))
+            elif isinstance(val, dict) and attr.isupper():
+                for key, item in list(val.items()):
+                    if hasattr(item, MARK):
+                        val[key] = getattr(item, MARK)
+    from fla.modules.fused_cross_entropy import FusedCrossEntropyLoss
+    from fla.modules.fused_linear_cross_entropy import FusedLinearCrossEntropyLoss
+    for cls in (FusedCrossEntropyLoss, FusedLinearCrossEntropyLoss):
+        fwd = cls.__dict__['forward']
+        if hasattr(fwd, MARK):
+            cls.forward = getattr(fwd, MARK)
+    _state['enabled'] = False
+
+
+@contextlib.contextmanager
+def cpu_fallbacks():
+    """The dispatchers for the duration of the block only (left in place if they were on before):
+    lets the offload planner run FLA models on the meta device during a GPU run without changing
+    what the run's own model calls."""
+    was = _state['enabled']
+    enable_cpu_fallbacks()
+    try:
+        yield
+    finally:
+        if not was:
+            disable_cpu_fallbacks()

@@ -1,7 +1,7 @@
 """Device dispatch: replace FLA entry points by wrappers that pick the torch path for CPU tensors.
 
-A wrapper looks at the first tensor among the call's arguments: on CPU it calls flame's torch
-implementation, on any other device it calls the original FLA function unchanged. Wrappers carry
+A wrapper looks at the first tensor among the call's arguments: on CPU (or meta) it calls flame's
+torch implementation, on any other device it calls the original FLA function unchanged. Wrappers carry
 ``__flame_cpu_original__`` so that patching twice is a no-op (idempotence) and so that tests can
 reach the original.
 """
@@ -24,8 +24,10 @@ def first_tensor(args, kwargs) -> torch.Tensor | None:
 
 
 def is_cpu_call(args, kwargs) -> bool:
+    """CPU tensors, and meta tensors: the torch implementations also give the shapes, saved
+    tensors and FLOPs the offload planner measures on the meta device (Triton cannot run there)."""
     t = first_tensor(args, kwargs)
-    return t is not None and t.device.type == 'cpu'
+    return t is not None and t.device.type in ('cpu', 'meta')
 
 
 def make_dispatcher(original: Callable, cpu_impl: Callable, skip_self: bool = False) -> Callable:

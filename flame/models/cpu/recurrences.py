@@ -106,6 +106,22 @@ def chunked_gated_linear_attention(
     return o.reshape(B, H, N * C, V)[:, :, :T], S
 
 
+class _MetaRecurrence(torch.autograd.Function):
+    """Output [B, H, T, V] and final state [B, H, K, V] (float32), saving the inputs as FLA's chunk
+    kernels do; meta tensors only."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, beta, *gates):
+        ctx.save_for_backward(q, k, v, beta, *gates)
+        B, H, T, K = q.shape
+        return q.new_empty(B, H, T, v.shape[-1], dtype=torch.float32), q.new_empty(B, H, K, v.shape[-1],
+                                                                                   dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, do, ds):
+        return tuple(torch.empty_like(x) for x in ctx.saved_tensors)
+
+
 def delta_rule_recurrence(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -128,6 +144,11 @@ def delta_rule_recurrence(
     """
     B, H, T, K = q.shape
     V = v.shape[-1]
+    if q.device.type == "meta":
+        # the offload planner's shape-only measurement: a chunk kernel's outputs and saved inputs,
+        # not a T-step loop of meta ops (minutes for a 340M model at 4K tokens)
+        gates = [x for x in (g, gk) if x is not None]
+        return _MetaRecurrence.apply(q, k, v, beta, *gates)
     q, k, v, beta = (x.float() for x in (q, k, v, beta))
     q = q * scale
     if beta.dim() == 3:
