@@ -379,9 +379,10 @@ class Trainer(Stateful):
                 if calibrator is not None:
                     calibrator.before_step()
                 self.train_step(data_iter)
-                if calibrator is not None and calibrator.after_step() is not None:
-                    self.metrics.log_scalars({f"offload/{k}": v for k, v in calibrator.report.items()
-                                              if isinstance(v, (int, float)) and v is not None}, self.step)
+                report = calibrator.after_step() if calibrator is not None else None
+                if report is not None:
+                    self.metrics.log_scalars({f"offload/{k}": v for k, v in report.items()
+                                              if isinstance(v, (int, float))}, self.step)
                     self.offload.calibrator = None  # once per launch
                 self.checkpointer.save(self.step, last_step=self.step == cfg.training.steps)
                 if self._export_with_checkpoint():

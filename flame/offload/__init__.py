@@ -75,7 +75,6 @@ def build_plan(model, job_config, device, world: int = 1, threads_from_profile: 
     cores = prof.cpu_cores if threads_from_profile else len(os.sched_getaffinity(0))
     threads = off.cpu_threads or max(1, cores - 1)
     dt = Dtypes(off.compute_dtype, off.master_dtype, off.grad_dtype, off.moment_dtype)
-    depths = (off.prefetch_depth,) if off.prefetch_depth else (1, 2, 3)
     fudge = 1.0
     if torch.device(device).type == "cuda":
         from flame.offload.calibration import measure_block_fudge
@@ -83,7 +82,7 @@ def build_plan(model, job_config, device, world: int = 1, threads_from_profile: 
         # one real block timed at the run's shapes: scales the FLOP-based compute times
         fudge = measure_block_fudge(model.config, costs_of[candidates[0]], prof, candidates[0], seq, cdt)["fudge"]
     # the micro-batch: the fastest plan over the candidates (every one runs the step's tokens)
-    plan, costs = solve_micro_batches(costs_of, accum * local, prof, dt, gpu, host, threads, depths=depths,
+    plan, costs = solve_micro_batches(costs_of, accum * local, prof, dt, gpu, host, threads, depths=off.depths(),
                                       overrides=off.overrides, allow_offload=off.enable != "off", fudge=fudge,
                                       world=world)
     plan.predicted["compute_fudge"] = fudge
@@ -194,7 +193,6 @@ def apply_offload(model, job_config, parallel_dims, device):
         from flame.offload.calibration import StepCalibrator
 
         engine.calibrator = StepCalibrator(engine, plan, costs, prof, off.overrides,
-                                           _get(job_config, "job.dump_folder", "."),
-                                           (off.prefetch_depth,) if off.prefetch_depth else (1, 2, 3),
+                                           _get(job_config, "job.dump_folder", "."), off.depths(),
                                            write=_rank() == 0)
     return engine

@@ -2,7 +2,7 @@
 
 Before the run, `measure_block_fudge` times one real block at the run's shapes and scales the
 cost model's compute times (build_plan). During the run, `StepCalibrator` times a few steady
-steps once (steps 2-4 of the launch), logs predicted vs measured step time and peak GPU memory,
+steps once (steps 3-5 of the launch), logs predicted vs measured step time and peak GPU memory,
 and, when the step is off by more than 10%, refits the compute scale (measured / predicted:
 the approximation: copies and the CPU optimizer already use measured rates, so the whole error
 is put on compute) and solves again, once. A changed plan is written next to the checkpoints
@@ -98,7 +98,6 @@ class StepCalibrator:
         self.write = write  # one writer (rank 0)
         self.n = 0
         self.t0 = 0.0
-        self.report: dict | None = None
 
     def _sync(self) -> None:
         import torch
@@ -146,7 +145,6 @@ class StepCalibrator:
                         100 * TOLERANCE, fudge, new.predicted["step_s"], self.path)
         elif new is not None:
             logger.info("offload calibration: re-solved with compute scale %.3g: the same plan", fudge)
-        self.report = rep
         return rep
 
 

@@ -82,6 +82,10 @@ class Offload:
     resident = weights on GPU with the optimizer on the CPU), `optimizer[*]=gpu|cpu`,
     `activations[*]=keep|recompute`, `prefetch=2`, `outer=gpu|host_opt`."""
 
+    def depths(self) -> tuple[int, ...]:
+        """The prefetch depths the solver may choose: the fixed one, or 1-3."""
+        return (self.prefetch_depth,) if self.prefetch_depth else (1, 2, 3)
+
     def validate(self) -> None:
         """Raise ConfigError (one line naming the value) on bad input."""
         if self.enable not in ("auto", "on", "off"):

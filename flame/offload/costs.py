@@ -255,19 +255,13 @@ def measure_costs(model: nn.Module, micro_batch: int, seq_len: int, loss: bool =
     return ModelCosts(micro_batch, seq_len, units, type(blocks[0]).__name__, extra)
 
 
-@contextlib.contextmanager
-def _noop():
-    yield
-
-
 def model_costs(config, dtype, micro_batches, seq_len: int, loss_chunk_tokens: int = 0) -> dict[int, ModelCosts]:
     """Costs of a model config at each micro-batch (sequences), measured on the meta device. FLA's
     Triton ops cannot run on meta: flame's torch implementations stand in during the measurement
     (their saved tensors and FLOPs approximate the kernels'; the block calibration and the in-run
     calibration correct time, the logged peak shows the memory error)."""
-    from flame.models.cpu import cpu_fallbacks
-
     from flame.errors import ConfigError
+    from flame.models.cpu import cpu_fallbacks
 
     with cpu_fallbacks():
         meta = meta_model(config, dtype=dtype)

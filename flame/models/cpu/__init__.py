@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import sys
 
 from flame.models.cpu import modules as M
 from flame.models.cpu import ops as O
-from flame.models.cpu.patch import MARK, patch_function_everywhere, patch_method
+from flame.models.cpu.patch import MARK, patch_function_everywhere, patch_method, unpatch_everywhere, unpatch_method
 
 CPU_FAMILIES = ('gla', 'delta_net', 'gated_deltanet', 'gsa', 'hgrn2', 'mamba', 'mamba2', 'samba')
 
@@ -95,29 +94,14 @@ def cpu_fallbacks_enabled() -> bool:
     return _state['enabled']
 
 
-__all__ = ['CPU_FAMILIES', 'FUNCTION_PATCHES', 'MARK', 'cpu_fallbacks', 'cpu_fallbacks_enabled', 'disable_cpu_fallbacks',
-           'enable_cpu_fallbacks', 'install_attention_standins']
-
-
 def disable_cpu_fallbacks() -> None:
     """Undo enable_cpu_fallbacks: every rebound name and registry entry back to FLA's original
     (the flash-attn stand-ins stay: flash-attn is absent either way)."""
-    for name, mod in list(sys.modules.items()):
-        if mod is None or not (name == 'fla' or name.startswith('fla.')):
-            continue
-        for attr, val in list(getattr(mod, '__dict__', {}).items()):
-            if hasattr(val, MARK):
-                setattr(mod, attr, getattr(val, MARK))
-            elif isinstance(val, dict) and attr.isupper():
-                for key, item in list(val.items()):
-                    if hasattr(item, MARK):
-                        val[key] = getattr(item, MARK)
+    unpatch_everywhere()
     from fla.modules.fused_cross_entropy import FusedCrossEntropyLoss
     from fla.modules.fused_linear_cross_entropy import FusedLinearCrossEntropyLoss
-    for cls in (FusedCrossEntropyLoss, FusedLinearCrossEntropyLoss):
-        fwd = cls.__dict__['forward']
-        if hasattr(fwd, MARK):
-            cls.forward = getattr(fwd, MARK)
+    unpatch_method(FusedCrossEntropyLoss, 'forward')
+    unpatch_method(FusedLinearCrossEntropyLoss, 'forward')
     _state['enabled'] = False
 
 
@@ -133,3 +117,7 @@ def cpu_fallbacks():
     finally:
         if not was:
             disable_cpu_fallbacks()
+
+
+__all__ = ['CPU_FAMILIES', 'FUNCTION_PATCHES', 'MARK', 'cpu_fallbacks', 'cpu_fallbacks_enabled', 'disable_cpu_fallbacks',
+           'enable_cpu_fallbacks', 'install_attention_standins']

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
+from flame.models.cpu.patch import TORCH_PATH_DEVICES
+
 # ---------------------------------------------------------------- norms
 
 
@@ -343,7 +345,7 @@ def _flex_left(causal, window_size):
 def flash_attn_func_cpu(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), **kw):
     """Stand-in for flash_attn_func when flash-attn is absent: SDPA with an explicit mask on CPU,
     FlexAttention (causal, sliding window) on GPU."""
-    if q.device.type not in ('cpu', 'meta') and q.shape[1] == k.shape[1]:
+    if q.device.type not in TORCH_PATH_DEVICES and q.shape[1] == k.shape[1]:
         from flame.models.attention.dispatch import _flex
 
         return _flex(q, k, v, softmax_scale, None, _flex_left(causal, window_size))
@@ -355,7 +357,7 @@ def flash_attn_varlen_func_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     """Stand-in for flash_attn_varlen_func (packed ``[total, H, D]`` tensors): per-document SDPA on
     CPU, one document-masked FlexAttention call on GPU when q and k share one cu_seqlens tensor (FLA's
     training path; comparing values would sync the host on every call)."""
-    if q.device.type not in ('cpu', 'meta') and cu_seqlens_q is cu_seqlens_k:
+    if q.device.type not in TORCH_PATH_DEVICES and cu_seqlens_q is cu_seqlens_k:
         from flame.models.attention.dispatch import _flex
 
         return _flex(q[None], k[None], v[None], softmax_scale, cu_seqlens_q, _flex_left(causal, window_size))[0]

@@ -23,11 +23,14 @@ def first_tensor(args, kwargs) -> torch.Tensor | None:
     return None
 
 
+# devices whose tensors take flame's torch implementations: CPU, and meta, where they also give the
+# shapes, saved tensors and FLOPs the offload planner measures (Triton cannot run there)
+TORCH_PATH_DEVICES = ('cpu', 'meta')
+
+
 def is_cpu_call(args, kwargs) -> bool:
-    """CPU tensors, and meta tensors: the torch implementations also give the shapes, saved
-    tensors and FLOPs the offload planner measures on the meta device (Triton cannot run there)."""
     t = first_tensor(args, kwargs)
-    return t is not None and t.device.type in ('cpu', 'meta')
+    return t is not None and t.device.type in TORCH_PATH_DEVICES
 
 
 def make_dispatcher(original: Callable, cpu_impl: Callable, skip_self: bool = False) -> Callable:
@@ -52,6 +55,26 @@ def _fla_modules():
             if m is not None and (name == 'fla' or name.startswith('fla.'))]
 
 
+def _rebind_everywhere(replace: Callable) -> int:
+    """Every binding in loaded ``fla.*`` modules and their dict registries (upper-case names such as
+    ``ACT2FN``) whose value ``replace`` maps to another object is rebound to it. Returns the count."""
+    count = 0
+    for mod in _fla_modules():
+        d = getattr(mod, '__dict__', {})
+        for attr, val in list(d.items()):
+            new = replace(val)
+            if new is not val:
+                setattr(mod, attr, new)
+                count += 1
+            elif isinstance(val, dict) and attr.isupper():
+                for key, item in list(val.items()):
+                    new = replace(item)
+                    if new is not item:
+                        val[key] = new
+                        count += 1
+    return count
+
+
 def patch_function_everywhere(home_module: str, name: str, cpu_impl: Callable) -> int:
     """Replace ``home_module.name`` and every alias of the same object in loaded ``fla.*`` modules
     (layers do ``from fla.ops.gla import chunk_gla``, so the name is bound in many namespaces) and in
@@ -63,19 +86,12 @@ def patch_function_everywhere(home_module: str, name: str, cpu_impl: Callable) -
     current = getattr(home, name)
     original = getattr(current, MARK, current)
     wrapper = current if hasattr(current, MARK) else make_dispatcher(original, cpu_impl)
-    count = 0
-    for mod in _fla_modules():
-        d = getattr(mod, '__dict__', {})
-        for attr, val in list(d.items()):
-            if val is original:
-                setattr(mod, attr, wrapper)
-                count += 1
-            elif isinstance(val, dict) and attr.isupper():
-                for key, item in list(val.items()):
-                    if item is original:
-                        val[key] = wrapper
-                        count += 1
-    return count
+    return _rebind_everywhere(lambda v: wrapper if v is original else v)
+
+
+def unpatch_everywhere() -> int:
+    """Every dispatcher in loaded ``fla.*`` modules and registries back to its original."""
+    return _rebind_everywhere(lambda v: getattr(v, MARK) if hasattr(v, MARK) else v)
 
 
 def patch_method(cls: type, name: str, cpu_impl: Callable) -> None:
@@ -84,3 +100,9 @@ def patch_method(cls: type, name: str, cpu_impl: Callable) -> None:
     if hasattr(current, MARK):
         return
     setattr(cls, name, make_dispatcher(current, cpu_impl, skip_self=True))
+
+
+def unpatch_method(cls: type, name: str) -> None:
+    current = cls.__dict__[name]
+    if hasattr(current, MARK):
+        setattr(cls, name, getattr(current, MARK))
