@@ -30,15 +30,21 @@ def loss_of(model, ids):
     return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(0, 1))
 
 
+def accumulate(model, step, rounds) -> float:
+    """Forward/backward every micro-batch of one step (loss / rounds); the step's loss."""
+    tot = 0.0
+    for ids in step:
+        l = loss_of(model, ids) / rounds
+        l.backward()
+        tot += l.item()
+    return tot
+
+
 def run_ref(model, batches, rounds, max_norm, lr=1e-2):
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     out = []
     for step in batches:
-        tot = 0.0
-        for ids in step:
-            l = loss_of(model, ids) / rounds
-            l.backward()
-            tot += l.item()
+        tot = accumulate(model, step, rounds)
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         opt.step()
         opt.zero_grad()
@@ -50,11 +56,7 @@ def run_engine(model, p, batches, rounds, max_norm, lr=1e-2, **kw):
     eng = OffloadEngine(model, p, torch.device("cpu"), lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, **kw)
     out = []
     for step in batches:
-        tot = 0.0
-        for ids in step:
-            l = loss_of(model, ids) / rounds
-            l.backward()
-            tot += l.item()
+        tot = accumulate(model, step, rounds)
         eng.optimizer_step(max_norm, True)
         eng.zero_grad()  # as the trainer does after every step
         out.append(tot)

@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from flame.offload.runtime.engine import OffloadEngine
-from test_engine_cpu import F32, MIXED, batches, loss_of, plan
+from test_engine_cpu import F32, MIXED, accumulate, batches, loss_of, plan
 
 WORLD = 2
 LR = 1e-2
@@ -124,11 +124,7 @@ def _ref(model, steps, rounds):
 
     def run(steps):
         for step in steps:
-            tot = 0.0
-            for ids in step:
-                l = loss_of(model, ids) / rounds
-                l.backward()
-                tot += l.item()
+            tot = accumulate(model, step, rounds)
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)))
             opt.step()
             opt.zero_grad()
