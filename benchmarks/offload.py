@@ -375,6 +375,7 @@ def main():
     ap.add_argument("out", help="output folder")
     ap.add_argument("--sections", default="a,b", help="a (3B: engine, resident, FSDP2 offload), b (8B bf16 engine), "
                     "m (b on every GPU of the machine, host state sharded over the ranks: weak scaling vs b)")
+    ap.add_argument("--rows", default="", help="comma-separated row names to run (default: every row of --sections)")
     ap.add_argument("--steps", type=int, default=3, help="timed optimizer steps per engine/resident row")
     ap.add_argument("--a_rounds", type=int, default=8, help="micro-batches of 1x4096 tokens per step in (a)")
     ap.add_argument("--loss_chunk_tokens", type=int, default=0,
@@ -408,7 +409,7 @@ def main():
     ceiling = prof.gemm_rate("8192x8192x8192") / 1e12
     secs = args.sections.split(",")
     for name, cap in ROWS.items():
-        if name[0] not in secs:
+        if name[0] not in secs or (args.rows and name not in args.rows.split(",")):
             continue
         left = args.budget_s - (time.perf_counter() - t_start)
         if left < 30:

@@ -11,6 +11,8 @@ TOML = os.path.join(ROOT, "flame/models/fla.toml")
 TINY_LLAMA = os.path.join(ROOT, "tests/assets/tiny_llama.json")
 TOKENIZER = os.path.join(ROOT, "flame/assets/tokenizer")
 CORPUS = os.path.join(ROOT, "flame/assets/sample_corpus")
+# the checkout first, then whatever the caller had (packages installed with --target on the GPU machine)
+PYTHONPATH = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
 
 
 def free_port() -> int:
@@ -22,7 +24,7 @@ def free_port() -> int:
 def torchrun(nproc: int, target: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
            "--master_port", str(free_port()), *target]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=PYTHONPATH)
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
 
 

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tests.trainer.helpers import CORPUS, ROOT, losses, metrics, run_job, tiny_job, torchrun
+from tests.trainer.helpers import CORPUS, PYTHONPATH, ROOT, losses, metrics, run_job, tiny_job, torchrun
 
 
 def test_single_process_trains_and_writes_outputs(tmp_path):
@@ -63,7 +63,7 @@ def test_skip_nan_inf_skips_and_counts(tmp_path):
 
 def _flame(*args, cwd=ROOT):
     return subprocess.run([sys.executable, "-m", "flame.train", *args], capture_output=True, text=True, cwd=cwd,
-                          env=dict(os.environ, PYTHONPATH=ROOT), timeout=120)
+                          env=dict(os.environ, PYTHONPATH=PYTHONPATH), timeout=120)
 
 
 @pytest.mark.parametrize(
