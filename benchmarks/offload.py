@@ -189,7 +189,8 @@ def run_engine(cfg, prof, dt, cap_gib, seq, step_sequences, steps, model_dtype):
     print("block calibration", cal, flush=True)
     # per rank: the host (one machine) is shared by the ranks
     plan, costs = solve_micro_batches(costs_of, step_sequences, prof, dt, int(cap_gib * GiB), host // world,
-                                      threads // world, depths=(1, 2, 3), fudge=cal["fudge"], world=world)
+                                      threads // world, depths=(1, 2, 3), fudge=cal["fudge"], world=world,
+                                      node_ranks=world)
     plan = agree_on_plan(plan)
     costs = costs_of[plan.micro_batch]
     mb, rounds = plan.micro_batch, plan.rounds

@@ -7,6 +7,11 @@ cost model, not measurements: benchmarks/offload.py --loss_chunk_tokens N measur
 
 Usage: python benchmarks/offload_predict.py [--result benchmarks/results/offload_h100_run4.json]
        [--chunks 0,4096,2048,1024] [--out benchmarks/results/offload_predicted_loss_chunks.json]
+       python benchmarks/offload_predict.py --replay RESULT.json [--out OUT.json]
+
+--replay: the plans a benchmark run executed, predicted again by the current cost model with that
+run's profile and block-calibration factor, next to what the run measured and what it predicted
+then (after-the-fact: this checks a cost-model change against measurements already taken).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 
@@ -22,7 +28,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.offload import A_MB, A_SEQ, llama  # noqa: E402
-from flame.offload.cost_model import Dtypes  # noqa: E402
+from flame.offload.cost_model import Dtypes, predict  # noqa: E402
 from flame.offload.costs import model_costs  # noqa: E402
 from flame.offload.profile import HardwareProfile  # noqa: E402
 from flame.offload.solver import solve_micro_batches  # noqa: E402
@@ -37,6 +43,37 @@ ROWS = [
     ("b_8B_bf16_24GiB_32k", "8B", BF16, 24, 8192, 4),
 ]
 
+ROW_OF = {name: (size, dt, seq) for name, size, dt, _, seq, _ in ROWS}
+ROW_OF["m_8B_bf16_24GiB"] = ROW_OF["b_8B_bf16_24GiB"]  # row b on every GPU of the machine
+
+
+def replay(result: str) -> list[dict]:
+    with open(result) as f:
+        res = json.load(f)
+    prof = HardwareProfile(**res["profile"])
+    chunk = res.get("loss_chunk_tokens", 0)
+    rows = []
+    print(f"replay of {result} ({prof.device_name}); current cost model, that run's profile and block factor")
+    print("| run | world | measured step s | predicted then | predicted now | now vs measured |")
+    print("|---|---|---|---|---|---|")
+    for name, r in res.items():
+        if name not in ROW_OF or "plan" not in r:
+            continue
+        size, dt, seq = ROW_OF[name]
+        mb, rounds = (int(x) for x in re.search(r"micro-batch (\d+)x\d+, (\d+) round", r["plan_text"]).groups())
+        world = r.get("world", 1)
+        costs = model_costs(llama(size), getattr(torch, dt.compute), [mb], seq, loss_chunk_tokens=chunk)[mb]
+        pl = r["plan"]
+        threads = max(1, prof.cpu_cores - 1) // world  # as benchmarks/offload.py
+        now = predict(costs, prof, dt, pl["layer_modes"], pl["layer_acts"], pl["outer"], pl["depth"], mb, rounds,
+                      threads, r["block_calibration"]["fudge"], world=world, node_ranks=world).step_s
+        row = {"run": name, "world": world, "measured_step_s": r["step_s"], "predicted_then_s": r["predicted_step_s"],
+               "predicted_now_s": now, "error_now": now / r["step_s"] - 1}
+        rows.append(row)
+        print(f"| {name} | {world} | {r['step_s']:.3f} | {r['predicted_step_s']:.3f} | {now:.3f} | "
+              f"{100 * row['error_now']:+.1f}% |", flush=True)
+    return rows
+
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -44,7 +81,15 @@ def main():
                     help="a benchmarks/offload.py result JSON whose hardware profile is used")
     ap.add_argument("--chunks", default="0,4096,2048,1024", help="loss chunk sizes in tokens (0: plain loss)")
     ap.add_argument("--out", default="", help="JSON output path (default: print only)")
+    ap.add_argument("--replay", default="", help="a benchmarks/offload.py result JSON: predict its plans again")
     args = ap.parse_args()
+    if args.replay:
+        rows = replay(args.replay)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"kind": "cost-model replay of measured runs", "command": " ".join(sys.argv),
+                           "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rows": rows}, f, indent=1)
+        return
     with open(args.result) as f:
         prof = HardwareProfile(**json.load(f)["profile"])
     host = prof.host_total_bytes - 16 * GiB  # as benchmarks/offload.py

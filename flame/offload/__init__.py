@@ -73,7 +73,10 @@ def build_plan(model, job_config, device, world: int = 1, threads_from_profile: 
     gpu = gpu_budget_bytes(off.gpu_memory_gib, off.gpu_margin_gib, total)
     host = host_budget_bytes(off.host_memory_gib, off.host_margin_gib)
     cores = prof.cpu_cores if threads_from_profile else len(os.sched_getaffinity(0))
-    threads = off.cpu_threads or max(1, cores - 1)
+    # ranks on this machine (torchrun's LOCAL_WORLD_SIZE; the calculator, which has none, assumes
+    # one machine): they split its cores and share its memory bandwidth for their CPU optimizers
+    node_ranks = max(1, min(world, int(os.environ.get("LOCAL_WORLD_SIZE", world))))
+    threads = off.cpu_threads or max(1, cores // node_ranks - 1)
     dt = Dtypes(off.compute_dtype, off.master_dtype, off.grad_dtype, off.moment_dtype)
     fudge = 1.0
     if torch.device(device).type == "cuda":
@@ -84,7 +87,7 @@ def build_plan(model, job_config, device, world: int = 1, threads_from_profile: 
     # the micro-batch: the fastest plan over the candidates (every one runs the step's tokens)
     plan, costs = solve_micro_batches(costs_of, accum * local, prof, dt, gpu, host, threads, depths=off.depths(),
                                       overrides=off.overrides, allow_offload=off.enable != "off", fudge=fudge,
-                                      world=world)
+                                      world=world, node_ranks=node_ranks)
     plan.predicted["compute_fudge"] = fudge
     if off.calibrate:
         from flame.offload.calibration import calibrated_plan_for

@@ -261,14 +261,16 @@ def predict_memory(costs: ModelCosts, dt: Dtypes, layer_modes, layer_acts, outer
 
 def predict(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, layer_modes, layer_acts, outer_mode: str,
             depth: int, micro_batch: int, rounds: int, cpu_threads: int, fudge: float = 1.0,
-            layer_accs: list[bool] | None = None, outer_acc: bool = False, world: int = 1) -> Prediction:
+            layer_accs: list[bool] | None = None, outer_acc: bool = False, world: int = 1,
+            node_ranks: int = 1) -> Prediction:
     """Predicted steady-state step time and peak memory of one plan (`layer_accs`, `outer_acc`:
     grads of host units accumulated on the GPU over the rounds, sent to the host once a step),
-    per rank of `world` data-parallel ranks (host units sharded; bytes are one rank's)."""
+    per rank of `world` data-parallel ranks (host units sharded; bytes are one rank's), `node_ranks`
+    of which share this machine's CPUs for their optimizers."""
     scale = micro_batch / costs.micro_batch
     layers, outer = costs.layers, costs.outer
     c = dt.c
-    cpu_rate = prof.cpu_adam_rate(cpu_threads)
+    cpu_rate = prof.cpu_adam_rate(cpu_threads, node_ranks)
     # fp32 states move ~16 B/param through the fused CPU AdamW; smaller states are cheaper in
     # bytes but the kernel is compute-bound at fp32, so the measured fp32 rate is used as is.
     h2d = prof.h2d_gbps * 1e9

@@ -54,14 +54,23 @@ class HardwareProfile:
         t = self.gemm_tflops.get(shape) if shape else None
         return 1e12 * (t if t else self.gemm_tflops["default"])
 
-    def cpu_adam_rate(self, threads: int) -> float:
-        """params/s of the CPU optimizer with `threads` threads (nearest measured count at or below)."""
-        ks = sorted(int(k) for k in self.cpu_adam_gparams)
-        best = ks[0]
-        for k in ks:
-            if k <= threads:
-                best = k
-        return 1e9 * self.cpu_adam_gparams[str(best)]
+    def cpu_adam_rate(self, threads: int, node_ranks: int = 1) -> float:
+        """params/s of one process's CPU optimizer with `threads` threads while `node_ranks`
+        processes run theirs at once on the machine: they share its memory bandwidth, so each gets
+        at most 1/node_ranks of the rate of all their threads together."""
+        one = self._adam_rate_at(threads)
+        return min(one, self._adam_rate_at(threads * node_ranks) / node_ranks) if node_ranks > 1 else one
+
+    def _adam_rate_at(self, threads: int) -> float:
+        """Measured rate, linear between measured thread counts (proportional below the smallest,
+        flat above the largest: more threads than measured are not assumed to help)."""
+        pts = sorted((int(k), 1e9 * v) for k, v in self.cpu_adam_gparams.items())
+        if threads <= pts[0][0]:
+            return pts[0][1] * threads / pts[0][0]
+        for (k0, r0), (k1, r1) in zip(pts, pts[1:]):
+            if threads <= k1:
+                return r0 + (r1 - r0) * (threads - k0) / (k1 - k0)
+        return pts[-1][1]
 
 
 def save(p: HardwareProfile, path: str) -> None:

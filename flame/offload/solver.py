@@ -45,6 +45,8 @@ class Plan:
     outer_gpu_acc: bool = False
     world: int = 1
     """Data-parallel ranks the plan was made for (host state sharded over them; bytes per rank)."""
+    node_ranks: int = 1
+    """Of those, the ranks on one machine: their CPU optimizers run at once on its cores."""
 
     @property
     def offloads(self) -> bool:
@@ -130,7 +132,7 @@ def _apply(layer_modes, layer_acts, ov):
 
 def solve(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, gpu_budget: int, host_budget: int,
           micro_batch: int, rounds: int, cpu_threads: int, depths=(1, 2, 3), overrides: list[str] | None = None,
-          allow_offload: bool = True, fudge: float = 1.0, world: int = 1) -> Plan:
+          allow_offload: bool = True, fudge: float = 1.0, world: int = 1, node_ranks: int = 1) -> Plan:
     """The fastest plan whose predicted peak GPU and host bytes fit the budgets.
 
     Raises ConfigError naming what is missing when nothing fits (before anything is allocated)."""
@@ -177,11 +179,12 @@ def solve(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, gpu_budget: int,
                                 lo = mid + 1
                         modes, acts = at(lo)
                         p = predict(costs, prof, dt, modes, acts, outer, depth, micro_batch, rounds, cpu_threads, fudge,
-                                    accs, outer_acc, world)
+                                    accs, outer_acc, world, node_ranks)
                         if best is None or p.step_s < best[0] - 1e-12:
                             plan = Plan(modes, acts, outer, depth, micro_batch, costs.seq_len, rounds, cpu_threads,
                                         asdict(dt), gpu_budget, host_budget, _pred_dict(p, costs, micro_batch, rounds, prof),
-                                        layer_gpu_acc=accs, outer_gpu_acc=outer_acc, world=world)
+                                        layer_gpu_acc=accs, outer_gpu_acc=outer_acc, world=world,
+                                        node_ranks=node_ranks)
                             best = (p.step_s, plan)
     if best is None:
         if min_gpu is None or min_gpu > gpu_budget:

@@ -107,6 +107,32 @@ def test_predict_by_hand():
     assert pr.h2d_bytes == 2e9 and pr.d2h_bytes == 4e9
 
 
+def test_cpu_adam_rate_between_measured_thread_counts_and_shared_by_ranks():
+    p = prof(cpu_adam_gparams={"1": 0.5, "16": 3.5, "32": 5.0})
+    rate = p.cpu_adam_rate
+    assert rate(16) == pytest.approx(3.5e9)  # a measured count: its rate
+    assert rate(15) == pytest.approx(0.5e9 + 3.0e9 * 14 / 15)  # between 1 and 16, not the 1-thread rate
+    assert rate(24) == pytest.approx(3.5e9 + 1.5e9 * 8 / 16)
+    assert rate(64) == pytest.approx(5.0e9)  # beyond the measurements: no gain assumed
+    assert prof(cpu_adam_gparams={"4": 2.0}).cpu_adam_rate(2) == pytest.approx(1.0e9)
+    # two ranks of 15 threads each share the memory bandwidth of 30 threads
+    assert rate(15, node_ranks=2) == pytest.approx(rate(30) / 2)
+    assert rate(15, node_ranks=1) == rate(15)
+    per_rank = [rate(t, node_ranks=n) for n in (1, 2, 4) for t in (7,)]
+    assert per_rank == sorted(per_rank, reverse=True)  # more ranks sharing: never faster per rank
+
+
+def test_ranks_sharing_the_cpu_predict_a_slower_optimizer():
+    lay = UnitCosts("l", "layer", 10**9, {}, 1e12, 0.0, 0, 0, 0)
+    c = ModelCosts(1, 1, [lay, UnitCosts("outer", "outer", 0, {}, 0.0, 0.0, 0, 0, 0)], "L")
+    p = prof(cpu_adam_gparams={"1": 0.5, "8": 3.0, "16": 4.0})
+    args = (c, p, Dtypes(), ["stream"], ["keep"], "gpu", 1, 1, 1, 7)
+    alone, shared = predict(*args, world=2).cpu_s, predict(*args, world=2, node_ranks=2).cpu_s
+    assert shared > alone
+    shard = 10**9 // 2  # each of the 2 ranks updates half of the block
+    assert shared - alone == pytest.approx(shard / p.cpu_adam_rate(7, 2) - shard / p.cpu_adam_rate(7))
+
+
 @pytest.mark.parametrize("rounds", [1, 4])
 def test_budgets_respected_and_monotone(costs, rounds):
     p = prof()

@@ -6,6 +6,9 @@ import socket
 import subprocess
 import sys
 
+import pytest
+import torch
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOML = os.path.join(ROOT, "flame/models/fla.toml")
 TINY_LLAMA = os.path.join(ROOT, "tests/assets/tiny_llama.json")
@@ -22,6 +25,9 @@ def free_port() -> int:
 
 
 def torchrun(nproc: int, target: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
+    if torch.cuda.is_available() and torch.cuda.device_count() < nproc:
+        # on a GPU machine each rank takes its own device (NCCL refuses two ranks on one GPU)
+        pytest.skip(f"{nproc} ranks need {nproc} CUDA devices, this machine has {torch.cuda.device_count()}")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
            "--master_port", str(free_port()), *target]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=PYTHONPATH)
