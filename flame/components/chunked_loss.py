@@ -40,6 +40,10 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         dh = torch.empty_like(hidden) if want[0] else None
         dw = torch.zeros(weight.shape, device=weight.device, dtype=acc) if want[1] else None
         db = torch.zeros(weight.shape[0], device=weight.device, dtype=acc) if want[2] and bias is not None else None
+        # the weight gradient is added up in vocabulary row blocks: a whole [vocab, hidden] product
+        # in the input dtype plus its float32 copy would be 3x the head's size in temporaries; a
+        # block of this many rows is no larger than one chunk's logits
+        rows = max(1, chunk * weight.shape[0] // weight.shape[1])
         for lo in range(0, n, chunk):
             h, y = hidden[lo:lo + chunk], labels[lo:lo + chunk]
             z = F.linear(h, weight, bias).to(acc)
@@ -58,8 +62,11 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             del z, g
             if dh is not None:
                 dh[lo:lo + chunk] = gc @ weight.to(hidden.dtype)
-            if dw is not None:
-                dw += (gc.t() @ h).to(acc)
+            if dw is not None and gc.dtype == acc:
+                dw.addmm_(gc.t(), h)
+            elif dw is not None:
+                for r in range(0, dw.shape[0], rows):
+                    dw[r:r + rows] += (gc[:, r:r + rows].t() @ h).to(acc)
             if db is not None:
                 db += gc.to(acc).sum(0)
         # kept for the backward in the parameters' dtype (what their grads are): the float32

@@ -246,12 +246,16 @@ def measure_costs(model: nn.Module, micro_batch: int, seq_len: int, loss: bool =
                            rec.max_saved.get("outer", 0)))
     extra = {}
     if head is not None:
-        # inside the chunked forward: the float32 weight-grad accumulator, and per chunk its float32
-        # logits, their float32 softmax gradient and its compute-dtype copy, alive together
+        # inside the chunked forward, on top of the float32 weight-grad accumulator: per chunk its
+        # float32 logits, their float32 softmax gradient and its compute-dtype copy (the
+        # weight-grad row blocks are no larger), and at the end the accumulator's copy in the
+        # weight's dtype when that is narrower
         c = min(loss_chunk_tokens, micro_batch * seq_len)
         w, acc = head.weight.element_size(), max(head.weight.element_size(), 4)
+        final_copy = head.weight.numel() * w if w != acc else 0
         extra = {"loss_chunk_tokens": loss_chunk_tokens,
-                 "loss_chunk_transient_bytes": head.weight.numel() * acc + c * head.out_features * (2 * acc + w)}
+                 "loss_chunk_transient_bytes": head.weight.numel() * acc
+                 + max(c * head.out_features * (2 * acc + w), final_copy)}
     return ModelCosts(micro_batch, seq_len, units, type(blocks[0]).__name__, extra)
 
 

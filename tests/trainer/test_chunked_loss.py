@@ -41,6 +41,25 @@ def test_matches_float64_autograd(chunk, with_bias):
         assert torch.allclose(a, r, rtol=1e-10, atol=1e-12), (SEED, (a - r).abs().max())
 
 
+@pytest.mark.parametrize("chunk", [5, 64])
+def test_bf16_weight_grad_in_row_blocks_matches_float64(chunk):
+    """bf16 inputs take the row-blocked weight-gradient path (float32 accumulator): against float64
+    autograd on the same bf16-rounded values, within bf16 rounding of the chunk's softmax grads."""
+    g = torch.Generator().manual_seed(SEED + 11 * chunk)
+    n, d, v = 93, 24, 211  # chunk 5 -> row blocks of 43 of the 211 vocabulary rows
+    h = torch.randn(n, d, generator=g).to(torch.bfloat16).requires_grad_()
+    w = (torch.randn(v, d, generator=g) / d**0.5).to(torch.bfloat16).requires_grad_()
+    b = torch.randn(v, generator=g).to(torch.bfloat16).requires_grad_()
+    y = torch.randint(0, v, (n,), generator=g)
+    got = torch.autograd.grad(linear_cross_entropy_sum(h, w, b, y, chunk), (h, w, b))
+    h64, w64, b64 = (t.detach().double().requires_grad_() for t in (h, w, b))
+    want = torch.autograd.grad(F.cross_entropy(F.linear(h64, w64, b64), y, reduction="sum"), (h64, w64, b64))
+    for a, r in zip(got, want):
+        assert a.dtype == torch.bfloat16
+        err = (a.double() - r).abs().max() / r.abs().max()
+        assert err < 2e-2, (SEED, chunk, err)
+
+
 def test_only_requested_grads_and_all_ignored():
     g = torch.Generator().manual_seed(SEED)
     h = torch.randn(10, 8, generator=g, dtype=torch.float64, requires_grad=True)
