@@ -175,22 +175,21 @@ def run_engine(cfg, prof, dt, cap_gib, seq, step_sequences, steps, model_dtype):
     then global and memory is rank 0's."""
     from transformers import AutoModelForCausalLM
 
-    from flame.offload import agree_on_plan
+    from flame.offload import agree_on_plan, optimizer_threads
 
     world = dist_world()
     costs_of = model_costs(cfg, getattr(torch, dt.compute), [mb for mb in range(1, step_sequences + 1)
                                                               if step_sequences % mb == 0], seq,
                            loss_chunk_tokens=LOSS_CHUNK["tokens"])
-    threads = max(1, len(os.sched_getaffinity(0)) - 1)
     # host budget: the machine's RAM minus 16 GiB (other sections' memory may not be returned to
     # the OS yet, so MemAvailable would understate it)
     host = prof.host_total_bytes - 16 * GiB
     cal = measure_block_fudge(cfg, costs_of[1], prof, 1, seq, getattr(torch, dt.compute))
     print("block calibration", cal, flush=True)
     # per rank: the host (one machine) is shared by the ranks
-    plan, costs = solve_micro_batches(costs_of, step_sequences, prof, dt, int(cap_gib * GiB), host // world,
-                                      threads // world, depths=(1, 2, 3), fudge=cal["fudge"], world=world,
-                                      node_ranks=world)
+    threads = optimizer_threads(len(os.sched_getaffinity(0)), world)
+    plan, costs = solve_micro_batches(costs_of, step_sequences, prof, dt, int(cap_gib * GiB), host // world, threads,
+                                      depths=(1, 2, 3), fudge=cal["fudge"], world=world, node_ranks=world)
     plan = agree_on_plan(plan)
     costs = costs_of[plan.micro_batch]
     mb, rounds = plan.micro_batch, plan.rounds
@@ -247,7 +246,9 @@ def run_engine(cfg, prof, dt, cap_gib, seq, step_sequences, steps, model_dtype):
            "grad_norms": losses, "block_calibration": cal, "memory": mem,
            "predicted_memory": {k: pr.get(k) for k in ("static_gpu_bytes", "activation_bytes", "transient_bytes")},
            "refit_fudge_over_block": s / pr["step_s"], "plan": {"layer_modes": plan.layer_modes, "layer_acts": plan.layer_acts,
-                                          "outer": plan.outer_mode, "depth": plan.prefetch_depth}, "plan_text": text}
+                                          "outer": plan.outer_mode, "depth": plan.prefetch_depth,
+                                          "micro_batch": mb, "rounds": rounds, "layer_gpu_acc": plan.layer_gpu_acc,
+                                          "outer_gpu_acc": plan.outer_gpu_acc}, "plan_text": text}
     eng.close()
     del eng, model
     torch.cuda.empty_cache()

@@ -28,6 +28,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.offload import A_MB, A_SEQ, llama  # noqa: E402
+from flame.offload import optimizer_threads  # noqa: E402
 from flame.offload.cost_model import Dtypes, predict  # noqa: E402
 from flame.offload.costs import model_costs  # noqa: E402
 from flame.offload.profile import HardwareProfile  # noqa: E402
@@ -60,13 +61,21 @@ def replay(result: str) -> list[dict]:
         if name not in ROW_OF or "plan" not in r:
             continue
         size, dt, seq = ROW_OF[name]
-        mb, rounds = (int(x) for x in re.search(r"micro-batch (\d+)x\d+, (\d+) round", r["plan_text"]).groups())
+        pl = r["plan"]
+        if "micro_batch" in pl:
+            mb, rounds = pl["micro_batch"], pl["rounds"]
+        else:  # results written before the plan dict had them: read the printed plan
+            mb, rounds = (int(x) for x in re.search(r"micro-batch (\d+)x\d+, (\d+) round", r["plan_text"]).groups())
+            if rounds > 1:
+                print(f"| {name} | skipped: {rounds} rounds, and this result does not store which blocks "
+                      "accumulated on the GPU |")
+                continue
         world = r.get("world", 1)
         costs = model_costs(llama(size), getattr(torch, dt.compute), [mb], seq, loss_chunk_tokens=chunk)[mb]
-        pl = r["plan"]
-        threads = max(1, prof.cpu_cores - 1) // world  # as benchmarks/offload.py
+        threads = optimizer_threads(prof.cpu_cores, world)  # as benchmarks/offload.py
         now = predict(costs, prof, dt, pl["layer_modes"], pl["layer_acts"], pl["outer"], pl["depth"], mb, rounds,
-                      threads, r["block_calibration"]["fudge"], world=world, node_ranks=world).step_s
+                      threads, r["block_calibration"]["fudge"], pl.get("layer_gpu_acc"), pl.get("outer_gpu_acc", False),
+                      world=world, node_ranks=world).step_s
         row = {"run": name, "world": world, "measured_step_s": r["step_s"], "predicted_then_s": r["predicted_step_s"],
                "predicted_now_s": now, "error_now": now / r["step_s"] - 1}
         rows.append(row)
@@ -93,7 +102,7 @@ def main():
     with open(args.result) as f:
         prof = HardwareProfile(**json.load(f)["profile"])
     host = prof.host_total_bytes - 16 * GiB  # as benchmarks/offload.py
-    threads = max(1, prof.cpu_cores - 1)
+    threads = optimizer_threads(prof.cpu_cores, 1)
     chunks = [int(c) for c in args.chunks.split(",")]
     rows = []
     print(f"profile: {prof.device_name} (from {args.result}); predictions, not measurements")

@@ -76,7 +76,7 @@ def build_plan(model, job_config, device, world: int = 1, threads_from_profile: 
     # ranks on this machine (torchrun's LOCAL_WORLD_SIZE; the calculator, which has none, assumes
     # one machine): they split its cores and share its memory bandwidth for their CPU optimizers
     node_ranks = max(1, min(world, int(os.environ.get("LOCAL_WORLD_SIZE", world))))
-    threads = off.cpu_threads or max(1, cores // node_ranks - 1)
+    threads = off.cpu_threads or optimizer_threads(cores, node_ranks)
     dt = Dtypes(off.compute_dtype, off.master_dtype, off.grad_dtype, off.moment_dtype)
     fudge = 1.0
     if torch.device(device).type == "cuda":
@@ -100,6 +100,12 @@ def build_plan(model, job_config, device, world: int = 1, threads_from_profile: 
     if off.save_plan:
         plan.save(off.save_plan)
     return plan, costs, prof
+
+
+def optimizer_threads(cores: int, node_ranks: int) -> int:
+    """CPU optimizer threads of each of `node_ranks` ranks sharing `cores`: an even split, one core
+    each left for the rank's other host work."""
+    return max(1, cores // node_ranks - 1)
 
 
 def micro_batch_candidates(local: int, seq: int, tokens: int, varlen: bool) -> list[int]:

@@ -70,7 +70,7 @@ def calibrated_plan_for(dump_folder: str, reference: Plan, overrides) -> Plan | 
     if not os.path.isfile(path):
         return None
     plan = Plan.load(path)
-    key = ("dtypes", "micro_batch", "seq_len", "rounds", "world", "cpu_threads")
+    key = ("dtypes", "micro_batch", "seq_len", "rounds", "world", "node_ranks", "cpu_threads")
     # budgets: the default host budget follows the free memory of the moment, so the plan only
     # has to fit this launch's budgets
     if any(getattr(plan, k) != getattr(reference, k) for k in key) or \

@@ -68,7 +68,8 @@ class Offload:
     sequences divide the batch."""
 
     cpu_threads: int = 0
-    """Threads of the CPU optimizer. 0 = all cores the process may use minus one."""
+    """Threads of each rank's CPU optimizer. 0 = the cores the process may use, split evenly over the
+    ranks on this machine (torchrun's LOCAL_WORLD_SIZE), minus one."""
 
     calibrate: bool = True
     """Time steps 3-5 of every launch once; log predicted vs measured step time and peak GPU
