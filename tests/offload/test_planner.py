@@ -26,12 +26,16 @@ def prof(**kw):
     return HardwareProfile(**d)
 
 
-@pytest.fixture(scope="module")
-def costs():
+def small_llama() -> LlamaConfig:
     cfg = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=8,
                       num_key_value_heads=4, vocab_size=32000, use_cache=False)  # as in training
     cfg._attn_implementation = "sdpa"
-    return measure_costs(meta_model(cfg), 2, 2048)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def costs():
+    return measure_costs(meta_model(small_llama()), 2, 2048)
 
 
 def test_costs_measured_from_model(costs):
@@ -118,7 +122,7 @@ def test_cpu_adam_rate_between_measured_thread_counts_and_shared_by_ranks():
     # two ranks of 15 threads each share the memory bandwidth of 30 threads
     assert rate(15, node_ranks=2) == pytest.approx(rate(30) / 2)
     assert rate(15, node_ranks=1) == rate(15)
-    per_rank = [rate(t, node_ranks=n) for n in (1, 2, 4) for t in (7,)]
+    per_rank = [rate(7, node_ranks=n) for n in (1, 2, 4)]
     assert per_rank == sorted(per_rank, reverse=True)  # more ranks sharing: never faster per rank
 
 
@@ -253,10 +257,7 @@ def test_chunked_loss_costs_by_hand(costs):
     """training.loss_chunk_tokens: the outer unit no longer saves the [tokens, vocab] float32 logits
     but the head's gradients (hidden [tokens, d] + weight [vocab, d], bf16); the chunk's forward
     transient is charged by the cost model, and the same plan's predicted peak falls."""
-    cfg = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=8,
-                      num_key_value_heads=4, vocab_size=32000, use_cache=False)
-    cfg._attn_implementation = "sdpa"
-    chunked = measure_costs(meta_model(cfg), 2, 2048, loss_chunk_tokens=512)
+    chunked = measure_costs(meta_model(small_llama()), 2, 2048, loss_chunk_tokens=512)
     t, d, v = 2 * 2048, 1024, 32000
     assert costs.outer.max_saved_bytes >= t * v * 4  # plain: the float32 logits
     assert chunked.outer.max_saved_bytes == v * d * 2  # the head's weight gradient, bf16
@@ -268,7 +269,7 @@ def test_chunked_loss_costs_by_hand(costs):
     assert predict(chunked, *args).gpu_bytes < predict(costs, *args).gpu_bytes - 2 * t * v * 4 + chunked.extra["loss_chunk_transient_bytes"]
 
 
-def test_step_calibration_refits_writes_and_reuses_the_plan(tmp_path, monkeypatch):
+def test_step_calibration_refits_writes_and_reuses_the_plan(tmp_path, monkeypatch, costs):
     """A step measured 30x slower than predicted: the compute scale is refit, the plan re-solved
     (compute-bound now: stream weights rather than recompute activations), written, and accepted
     by the next launch only when it was made for the same settings."""
@@ -276,17 +277,13 @@ def test_step_calibration_refits_writes_and_reuses_the_plan(tmp_path, monkeypatc
 
     from flame.offload import calibration as cal
 
-    cfg = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=8,
-                      num_key_value_heads=4, vocab_size=32000, use_cache=False)
-    cfg._attn_implementation = "sdpa"
-    c = measure_costs(meta_model(cfg), 2, 2048)
     p = prof()
-    plan = solve(c, p, Dtypes(), 3 * GiB, 64 * GiB, 2, 1, 15)
-    assert cal.refit(plan, c, p, plan.predicted["step_s"] * 1.05)[1] is None  # within 10%
+    plan = solve(costs, p, Dtypes(), 3 * GiB, 64 * GiB, 2, 1, 15)
+    assert cal.refit(plan, costs, p, plan.predicted["step_s"] * 1.05)[1] is None  # within 10%
     clock = iter([100.0, 100.0 + 30 * plan.predicted["step_s"]])
     monkeypatch.setattr(cal.time, "perf_counter", lambda: next(clock))
     engine = types.SimpleNamespace(synchronize=lambda: None)
-    calib = cal.StepCalibrator(engine, plan, c, p, [], str(tmp_path), window=1)
+    calib = cal.StepCalibrator(engine, plan, costs, p, [], str(tmp_path), window=1)
     for _ in range(cal.StepCalibrator.FIRST - 1):
         calib.before_step()
         assert calib.after_step() is None
@@ -301,7 +298,7 @@ def test_step_calibration_refits_writes_and_reuses_the_plan(tmp_path, monkeypatc
     assert new.predicted["peak_gpu_bytes"] <= 3 * GiB
     # made for other settings: not used
     assert cal.calibrated_plan_for(str(tmp_path), plan, ["prefetch=2"]) is None
-    assert cal.calibrated_plan_for(str(tmp_path), solve(c, p, Dtypes(), 3 * GiB, 64 * GiB, 2, 1, 7), []) is None
+    assert cal.calibrated_plan_for(str(tmp_path), solve(costs, p, Dtypes(), 3 * GiB, 64 * GiB, 2, 1, 7), []) is None
     tight = dataclasses.replace(plan, gpu_budget_bytes=new.predicted["peak_gpu_bytes"] - 1)
     assert cal.calibrated_plan_for(str(tmp_path), tight, []) is None
 
@@ -337,10 +334,7 @@ def test_micro_batch_search_respects_budgets_and_is_monotone():
     budget is tight."""
     from flame.offload.solver import solve_micro_batches
 
-    cfg = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=8,
-                      num_key_value_heads=4, vocab_size=32000, use_cache=False)
-    cfg._attn_implementation = "sdpa"
-    meta = meta_model(cfg)
+    meta = meta_model(small_llama())
     costs_of = {mb: measure_costs(meta, mb, 2048, loss_chunk_tokens=1024) for mb in (4, 2, 1)}
     last, chosen = None, []
     for gib in (1.5, 2, 3, 4, 6, 8, 12, 24):
