@@ -13,9 +13,8 @@ import torch.nn.functional as F
 from flame.components.chunked_loss import (chunked_head_loss, install_chunked_head, linear_cross_entropy_sum,
                                            take_chunked_loss)
 from flame.errors import ConfigError
-from tests.trainer.helpers import ROOT, TINY_LLAMA, losses, run_job
+from tests.trainer.helpers import ROOT, TINY_LLAMA, losses, run_job, tiny_job
 from tests.trainer.test_training import _flame
-from tests.trainer.helpers import tiny_job
 
 SEED = int.from_bytes(os.urandom(3), "little")
 

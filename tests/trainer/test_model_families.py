@@ -57,23 +57,23 @@ def test_export_at_every_checkpoint(tmp_path):
     assert os.path.isfile(os.path.join(dump, "hf", "config.json"))  # the final export
 
 
+def _two_finite_steps(tmp_path, family: str, nproc: int) -> None:
+    dump = str(tmp_path / family)
+    run_job(nproc, dump, "--training.steps", "2", "--checkpoint.no-enable-checkpoint", "--checkpoint.no-enable",
+            config=os.path.join(ROOT, "configs/debug", f"{family}.json"))
+    ls = losses(dump)
+    assert len(ls) == 2 and all(map(math.isfinite, ls)), ls
+
+
 @pytest.mark.parametrize("family", ["mamba", "mamba2", "samba", "delta_net", "gated_deltanet", "gsa", "hgrn2",
                                     "retention_lm"])
 def test_every_family_steps_through_the_trainer(tmp_path, family):
     """Each remaining family through the real trainer on CPU (mamba/mamba2/samba once failed here:
     their layers bind FLA's Triton activations at construction, before the CPU fallbacks were on)."""
-    dump = str(tmp_path / family)
-    run_job(1, dump, "--training.steps", "2", "--checkpoint.no-enable-checkpoint", "--checkpoint.no-enable",
-            config=os.path.join(ROOT, "configs/debug", f"{family}.json"))
-    ls = losses(dump)
-    assert len(ls) == 2 and all(map(math.isfinite, ls)), ls
+    _two_finite_steps(tmp_path, family, 1)
 
 
 @pytest.mark.parametrize("family", ["samba", "hgrn2"])
 def test_constructor_values_restored_under_fsdp2(tmp_path, family):
     """Two gloo ranks (FSDP2 renames the wrapped classes; the restored values are sharded DTensors)."""
-    dump = str(tmp_path / family)
-    run_job(2, dump, "--training.steps", "2", "--checkpoint.no-enable-checkpoint", "--checkpoint.no-enable",
-            config=os.path.join(ROOT, "configs/debug", f"{family}.json"))
-    ls = losses(dump)
-    assert len(ls) == 2 and all(map(math.isfinite, ls)), ls
+    _two_finite_steps(tmp_path, family, 2)
