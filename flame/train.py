@@ -17,7 +17,6 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 from torchtitan.components.lr_scheduler import build_lr_schedulers
-from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.tools.logging import init_logger, logger
@@ -32,6 +31,7 @@ from flame.components.optimizer import build_optimizers, clip_grad_norm_
 from flame.config.manager import FlameConfigManager, accumulation_steps
 from flame.distributed.device import init_process_group, local_device
 from flame.distributed.parallelize import parallelize
+from flame.distributed.precision import autocast_context
 from flame.errors import ConfigError
 from flame.models import build as model_build
 
@@ -171,11 +171,7 @@ class Trainer(Stateful):
         # The offload engine sums over the ranks (as FSDP does here), whatever the DP layout.
         self.loss_scale = pd.dp_replicate if (pd.dp_replicate_enabled and not pd.fsdp_enabled
                                               and self.offload is None) else 1
-        self.amp = (
-            dist_utils.maybe_enable_amp(pd, t.mixed_precision_param, self.device.type)
-            if self.offload is None and TORCH_DTYPE_MAP[t.mixed_precision_param] != torch.float32
-            else contextlib.nullcontext()
-        )
+        self.amp = autocast_context(pd, t.mixed_precision_param, self.device.type, self.offload is not None)
 
         if self.offload is not None:
             from flame.components.optimizer import param_groups

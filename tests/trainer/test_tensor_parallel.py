@@ -62,3 +62,31 @@ def test_tp_unsupported_family_exits_with_one_line(tmp_path):
     assert proc.returncode != 0
     errors = [l for l in proc.stderr.splitlines() if l.startswith("flame: error:")]
     assert errors and all("does not support tensor parallelism" in l for l in errors), proc.stderr[-3000:]
+
+
+def test_tp_without_fsdp_trains_in_bf16_autocast(tmp_path):
+    # torchtitan leaves TP without FSDP in float32; flame autocasts it like one device does
+    one, tp = str(tmp_path / "one"), str(tmp_path / "tp")
+    common = ["--training.steps", "3", "--checkpoint.no-enable", "--training.mixed_precision_param", "bfloat16"]
+    run_job(1, one, *common, config=TRANSFORMER)
+    run_job(2, tp, *common, *TP2, config=TRANSFORMER)
+    fp32 = str(tmp_path / "fp32")
+    run_job(2, fp32, "--training.steps", "3", "--checkpoint.no-enable", *TP2, config=TRANSFORMER)
+    # bf16 TP follows bf16 single-process closer than float32 TP does
+    gap_bf16 = max(abs(a - b) for a, b in zip(losses(tp), losses(one)))
+    gap_fp32 = max(abs(a - b) for a, b in zip(losses(fp32), losses(one)))
+    assert gap_bf16 < gap_fp32, (losses(one), losses(tp), losses(fp32))
+
+
+def test_autocast_context_per_layout():
+    from types import SimpleNamespace
+
+    import torch
+
+    from flame.distributed.precision import autocast_context
+
+    tp_only = SimpleNamespace(fsdp_enabled=False)
+    assert isinstance(autocast_context(tp_only, "bfloat16", "cpu", False), torch.autocast)
+    for dims, dtype, offloaded in ((SimpleNamespace(fsdp_enabled=True), "bfloat16", False),
+                                   (tp_only, "float32", False), (tp_only, "bfloat16", True)):
+        assert not isinstance(autocast_context(dims, dtype, "cpu", offloaded), torch.autocast)
