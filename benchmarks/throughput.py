@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -288,7 +287,7 @@ def _stop_profiler(p, steps, out_prefix):
 
     p.__exit__(None, None, None)
     ka = p.key_averages()
-    cats, kernels, cpu_total = {}, [], 0.0
+    cats, kernels = {}, []
     for e in ka:
         dev_t = getattr(e, "self_device_time_total", None)
         if dev_t is None:
@@ -431,6 +430,9 @@ def worker_flame(c, out_dir, warmup, steps):
             if hist:
                 r["last_logged_loss"] = hist[-1].get("loss")
             results.append(r)
+            # what is measured so far survives a later phase or the batch probe running past the timeout
+            _write(os.path.join(out_dir, f"{c['name']}.json"),
+                   {"phases": results, "n_params": trainer.n_params, "incomplete": True})
         if c.get("loss_steps"):
             results[0]["losses"] = loss_trace(trainer, cfg, vocab, T0, B0)
         if c["probe_batch"]:
@@ -455,10 +457,9 @@ def worker_flame(c, out_dir, warmup, steps):
 
 
 def loss_trace(trainer, cfg, vocab, T, B, n=8):
-    """Losses of n steps on a fixed data stream from a fixed init (TP vs non-TP comparison)."""
+    """Losses of n more steps on a fixed data stream (TP vs non-TP comparison). The model goes on
+    from its timed steps, which saw the same data in every case with one data-parallel rank."""
     import torch
-
-    from flame.models import build as model_build
 
     with torch.no_grad():
         torch.manual_seed(0)
@@ -494,7 +495,6 @@ def worker_native(c, out_dir, warmup, steps):
     from torchtitan.models import llama3
     from torchtitan.models.llama3 import TransformerModelArgs
     from torchtitan.protocols.train_spec import get_train_spec, register_train_spec
-    from torchtitan.tools import utils as tt_utils
     from torchtitan.tools.logging import init_logger
 
     init_logger()
@@ -580,7 +580,7 @@ def worker_native(c, out_dir, warmup, steps):
 
 def flops_for(model_config, T, doc_lengths=None):
     """{'full', 'causal', 'dense'} training FLOPs per token (see the module doc)."""
-    from flame.models.flops import flops_per_token, forward_flops_per_token, param_counts
+    from flame.models.flops import flops_per_token, param_counts
     from flame.models.registry import layer_mixers
 
     dense = 6.0 * param_counts(model_config)["matmul"]

@@ -150,6 +150,12 @@ def effective_accs(modes: list[str], accs: list[bool] | None, rounds: int) -> li
     return [rounds > 1 and m != "gpu" and i < len(accs) and bool(accs[i]) for i, m in enumerate(modes)]
 
 
+def grad_conversion_bytes(dt: Dtypes) -> int:
+    """Bytes/param the CPU optimizer moves converting grads to the master dtype (read + write;
+    0 when they already are)."""
+    return 0 if dt.grad == dt.master else DTYPE_BYTES[dt.grad] + DTYPE_BYTES[dt.master]
+
+
 def unit_host_bytes(u: UnitCosts, mode: str, dt: Dtypes, rounds: int = 1, gpu_acc: bool = False,
                     world: int = 1) -> tuple[int, int]:
     """(total host bytes, of which pinned) of a unit on one rank (its shard when world > 1)."""
@@ -256,6 +262,9 @@ def predict_memory(costs: ModelCosts, dt: Dtypes, layer_modes, layer_acts, outer
         h, p = unit_host_bytes(u, m, dt, rounds, a, world)
         host += h
         pinned += p
+    if grad_conversion_bytes(dt):  # the CPU optimizer's one master-dtype grad buffer (largest host unit)
+        host += max((shard_numel(u.numel, world) for u, m in zip(units, modes) if m != "gpu"), default=0) \
+            * DTYPE_BYTES[dt.master]
     return MemoryPrediction(gpu, host, pinned, static, int(act), int(max(trans)))
 
 
@@ -296,8 +305,10 @@ def predict(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, layer_modes, l
     # != compute dtype (a read+write pass at the measured host memcpy rate) and, for rounds > 1
     # with host accumulation, the grad-norm pass over the accumulator
     conv = dt.master_extra and (dt.master_extra + c)
+    # grads in another dtype than the master are converted into a master-dtype buffer first
+    gconv = grad_conversion_bytes(dt)
     host_acc = [m != "gpu" and rounds > 1 and not a for m, a in zip(modes, accs)]
-    cpu_t = [n / cpu_rate + n * conv / memcpy + (n * g / memcpy if h else 0.0) if m != "gpu" else 0.0
+    cpu_t = [n / cpu_rate + n * (conv + gconv) / memcpy + (n * g / memcpy if h else 0.0) if m != "gpu" else 0.0
              for n, m, h in zip(sn, modes, host_acc)]
     # host accumulation, every micro-batch after the unit's D2H, on the CPU worker: the first
     # copies the staged grads (read c, write g bytes/param), the others add: same dtype read c,

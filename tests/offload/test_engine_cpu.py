@@ -322,3 +322,21 @@ def test_host_add_chunked_conversion_is_exact(monkeypatch, chunk):
     same = torch.randn(103, generator=g)
     engine.OffloadEngine._host_add(holder, acc, same)  # same dtype: a plain add
     assert torch.equal(acc, want + same)
+
+
+def test_bf16_grads_convert_into_one_reused_master_buffer():
+    """fp32 master, bf16 grads: the CPU AdamW converts every unit's grads into the same buffer
+    (no fresh unit-sized tensor a step), with the all-GPU-mode numbers; the host work is timed."""
+    dt = dict(MIXED, grad="bfloat16")
+    b = batches(3, 1, seed=9)
+    ref, _ = run_engine(tiny(seed=10), plan(["gpu"] * 4, ["keep"] * 4, "gpu", dtypes=dt), b, 1, max_norm=0.5)
+    got, eng = run_engine(tiny(seed=10), plan(["stream", "host_opt", "stream", "host_opt"], ["keep"] * 4, "host_opt",
+                                              dtypes=dt), b, 1, max_norm=0.5)
+    assert got == pytest.approx(ref, rel=1e-3)
+    scratch = eng._grad_scratch
+    assert scratch.dtype == torch.float32 and scratch.numel() == max(u.gacc.numel() for u in eng.units)
+    eng.optimizer_step(0.5, True)
+    eng.synchronize()
+    assert eng._grad_scratch is scratch
+    seconds = eng.reset_host_seconds()
+    assert {"cpu_adam", "grad_to_master_dtype", "new_compute_copy"} <= set(seconds) and eng.host_seconds == {}

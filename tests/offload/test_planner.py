@@ -372,3 +372,18 @@ def test_fla_costs_measured_on_meta(family):
         assert all(u.act_keep_bytes > 0 and u.fwd_gemm_flops > 0 for u in c.layers)
     # activations scale with the micro-batch
     assert costs[2].layers[0].act_keep_bytes == pytest.approx(2 * costs[1].layers[0].act_keep_bytes, rel=0.05)
+
+
+def test_grad_conversion_to_master_dtype_is_costed(costs):
+    """bf16 grads, fp32 master: each host unit's grads are converted (read 2 + write 4 bytes/param
+    at the host memcpy rate) before the CPU AdamW, into one buffer as large as the largest unit."""
+    p, n = prof(), len(costs.layers)
+    modes, acts = ["stream"] * (n - 1) + ["gpu"], ["recompute"] * n
+    f32 = predict(costs, p, Dtypes("bfloat16", "float32", "float32", "float32"), modes, acts, "host_opt", 1, 2, 1, 15)
+    bf = predict(costs, p, Dtypes("bfloat16", "float32", "bfloat16", "float32"), modes, acts, "host_opt", 1, 2, 1, 15)
+    host_units = costs.layers[:-1] + [costs.outer]
+    moved = sum(u.numel for u in host_units) * 6
+    assert bf.cpu_s - f32.cpu_s == pytest.approx(moved / (p.host_memcpy_gbps * 1e9))
+    biggest = max(u.numel for u in host_units)
+    # fp32 -> bf16 grads: the pinned grad buffers shrink by 2 bytes/param, the scratch adds 4 bytes/param
+    assert f32.host_bytes - bf.host_bytes == sum(u.numel for u in host_units) * 2 - biggest * 4

@@ -33,6 +33,8 @@ from __future__ import annotations
 import math
 import threading
 import weakref
+import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -97,6 +99,10 @@ class OffloadEngine(EngineStateDict):
         self.pinned_ptrs: list[int] = []
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-cpu")
         self._add_scratch = None  # fp32 chunk buffer of _host_add (used by the one pool worker only)
+        self._grad_scratch = None  # master-dtype grads of the unit the CPU AdamW steps (one worker: one buffer)
+        # seconds spent per kind of host work since the last reset_host_seconds() (calibration:
+        # compared with the cost model's CPU terms); pool keys and main-thread keys never overlap
+        self.host_seconds = Counter()
         self.cpu_threads = plan.cpu_threads
         blocks_name, blocks = find_blocks(model)
         if len(blocks) != len(plan.layer_modes):
@@ -224,7 +230,7 @@ class OffloadEngine(EngineStateDict):
         if u.mode == "host_opt":
             if not u.needs_h2d:
                 return
-            u.cpu_done.wait()
+            self._wait_unit(u)
             with self.s.on(self.s.h2d):
                 self._xfer(u.w_host, 0, u.sn, u.w[u.lo:], to_host=False)
                 u.h2d_src_done = self.s.record(self.s.h2d)
@@ -235,7 +241,7 @@ class OffloadEngine(EngineStateDict):
         if u.slot is not None and u.slot.owner is u:
             u.slot.last_use = self.use_counter
             return
-        u.cpu_done.wait()
+        self._wait_unit(u)
         cands = [s for s in self.slots if s.owner is None or s.owner.idx not in protect]
         slot = min(cands, key=lambda s: s.last_use)
         if slot.owner is not None:
@@ -444,10 +450,12 @@ class OffloadEngine(EngineStateDict):
 
         def accumulate():
             ev.synchronize()
+            t = time.perf_counter()
             if first:
                 u.gacc.copy_(u.g_stage)
             else:
                 self._host_add(u.gacc, u.g_stage)
+            self.host_seconds["accumulate"] += time.perf_counter() - t
             u.stage_free.set()
 
         self.pool.submit(accumulate)
@@ -543,6 +551,18 @@ class OffloadEngine(EngineStateDict):
     def _wait_cpu(self) -> None:
         self.pool.submit(lambda: None).result()
 
+    def _wait_unit(self, u: Unit) -> None:
+        """The forward needs `u`'s new weights: wait for its CPU AdamW (timed: an exposed optimizer)."""
+        if not u.cpu_done.is_set():
+            t = time.perf_counter()
+            u.cpu_done.wait()
+            self.host_seconds["forward_waits_for_cpu_adam"] += time.perf_counter() - t
+
+    def reset_host_seconds(self) -> dict[str, float]:
+        """The host-time counters since the last reset (then zeroed)."""
+        out, self.host_seconds = dict(self.host_seconds), Counter()
+        return out
+
     def optimizer_step(self, max_norm: float = 0.0, skip_nan_inf: bool = False, lr: float | None = None):
         """Clip by the global grad norm, step every unit; returns (grad_norm, skipped).
 
@@ -553,13 +573,17 @@ class OffloadEngine(EngineStateDict):
         for u in self.units:  # fewer micro-batches than planned: send what was accumulated
             if u.gpu_acc and not u.sent and self.round > 0:
                 self._send_acc(u)
+        t = time.perf_counter()
         self._wait_cpu()  # all accumulations queued by the backward are done (they wait on D2H events)
+        self.host_seconds["step_waits_for_accumulation"] += time.perf_counter() - t
         sq = self.gpu_sq.clone()  # the norms taken on the GPU as grads left for the host
         gpu_units = [u for u in self.units if u.mode == "gpu"]
         host_units = [u for u in self.units if u.mode != "gpu"]
         # units accumulated on the host: the norm of the sum, on the CPU
+        t = time.perf_counter()
         cpu_sq = sum(float(torch.linalg.vector_norm(u.gacc, dtype=torch.float32) ** 2)
                      for u in host_units if not (self.direct or u.gpu_acc))
+        self.host_seconds["grad_norm_on_host"] += time.perf_counter() - t
         if self.world > 1:
             import torch.distributed as dist
 
@@ -621,15 +645,35 @@ class OffloadEngine(EngineStateDict):
             if u.d2h_done is not None:
                 u.d2h_done.synchronize()  # the grads are on the host
             u.opt.grad_scale = torch.full((), 1.0 / coef) if coef != 1.0 else None
-            u.master.grad = u.gacc if u.gacc.dtype == u.master.dtype else u.gacc.to(u.master.dtype)
+            t0 = time.perf_counter()
+            u.master.grad = self._master_grad(u)
+            t1 = time.perf_counter()
             u.opt.param_groups[0]["lr"] = lr
             self._decay(u, lr)
             u.opt.step()
             u.master.grad = None
+            t2 = time.perf_counter()
             if not _same(u.w_host, u.master):
                 u.w_host.copy_(u.master.data)
+            t3 = time.perf_counter()
+            for k, dt in (("grad_to_master_dtype", t1 - t0), ("cpu_adam", t2 - t1), ("new_compute_copy", t3 - t2)):
+                self.host_seconds[k] += dt
         finally:
             u.cpu_done.set()
+
+    def _master_grad(self, u: Unit) -> torch.Tensor:
+        """The unit's grads in the master dtype for the fused AdamW: the accumulator itself, or a
+        conversion into one reused buffer (a fresh tensor per unit and step would page-fault its
+        whole size in again every step)."""
+        if u.gacc.dtype == u.master.dtype:
+            return u.gacc
+        n = u.gacc.numel()
+        if self._grad_scratch is None or self._grad_scratch.dtype != u.master.dtype or self._grad_scratch.numel() < n:
+            largest = max(x.gacc.numel() for x in self.units if x.mode != "gpu")
+            self._grad_scratch = torch.empty(largest, dtype=u.master.dtype)
+        out = self._grad_scratch[:n].view(u.gacc.shape)
+        out.copy_(u.gacc)
+        return out
 
     def zero_grad(self) -> None:
         """Nothing to do right after optimizer_step (the next step's first round overwrites every
