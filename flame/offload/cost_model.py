@@ -301,23 +301,24 @@ def predict(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, layer_modes, l
             for u, m in zip(units, modes)]
     rs_s = [collective_s(padded_numel(u.numel, world) * c, world, prof.reducescatter_gbps) if m != "gpu" else 0.0
             for u, m in zip(units, modes)]
-    # CPU work per host unit at the step's end: the fused AdamW, the new compute copy when master
-    # != compute dtype (a read+write pass at the measured host memcpy rate) and, for rounds > 1
-    # with host accumulation, the grad-norm pass over the accumulator
+    # CPU work per host unit at the step's end: the fused AdamW and the new compute copy when
+    # master != compute dtype (a read+write pass at the measured host memcpy rate)
     conv = dt.master_extra and (dt.master_extra + c)
     # grads in another dtype than the master are converted into a master-dtype buffer first
     gconv = grad_conversion_bytes(dt)
     host_acc = [m != "gpu" and rounds > 1 and not a for m, a in zip(modes, accs)]
-    cpu_t = [n / cpu_rate + n * (conv + gconv) / memcpy + (n * g / memcpy if h else 0.0) if m != "gpu" else 0.0
-             for n, m, h in zip(sn, modes, host_acc)]
+    cpu_t = [n / cpu_rate + n * (conv + gconv) / memcpy if m != "gpu" else 0.0 for n, m in zip(sn, modes)]
     # host accumulation, every micro-batch after the unit's D2H, on the CPU worker: the first
     # copies the staged grads (read c, write g bytes/param), the others add: same dtype read c,
     # read+write g; mixed dtypes convert a chunk into a scratch buffer first (+ write g, read g),
-    # see runtime.engine._host_add
+    # see runtime.host_math. The last round also reads the sum once for its norm (the chunk
+    # conversion of a norm stays in cache: not counted).
     add_bytes = c + 2 * g + (2 * g if c != g else 0)
 
     def acc_s(j: int, r: int) -> float:
-        return sn[j] * (add_bytes if r else c + g) / memcpy if host_acc[j] else 0.0
+        if not host_acc[j]:
+            return 0.0
+        return sn[j] * ((add_bytes if r else c + g) + (g if r == rounds - 1 else 0)) / memcpy
     # GPU accumulation: one add per round into a separate accumulator (read grad and accumulator,
     # write accumulator) on the compute stream (sharded: always separate, the shard's size)
     add_t = [n * (c + 2 * g) / (prof.hbm_gbps * 1e9) if a and (world > 1 or gpu_acc_extra(m, dt)) else 0.0

@@ -45,6 +45,7 @@ from flame.errors import ConfigError
 from flame.offload.cost_model import MEMORY_CATEGORIES
 from flame.offload.costs import find_blocks
 from flame.offload.runtime.collectives import all_gather_flat, comm_device, multi_rank, native, reduce_scatter_flat
+from flame.offload.runtime.host_math import HostMath
 from flame.offload.runtime.state_dict import EngineStateDict
 from flame.offload.runtime.streams import PIN_PIECE_BYTES, Streams, piece_ranges, register_pinned, unregister_pinned
 from flame.offload.runtime.units import Unit, _same, _Slot
@@ -52,7 +53,6 @@ from flame.offload.solver import Plan
 
 TOO_MANY_ROUNDS = ("offload: the plan has {} micro-batch(es) per step but the trainer ran more; "
                    "plan with the trainer's training.gradient_accumulation_steps")
-HOST_ADD_CHUNK = 1 << 22  # elements per host-side conversion chunk of a grad add (16 MiB in fp32: cache-friendly)
 CONV_CHUNK = 1 << 25  # elements per GPU conversion chunk (128 MiB in fp32)
 DT = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -98,7 +98,7 @@ class OffloadEngine(EngineStateDict):
         self.use_counter = 0
         self.pinned_ptrs: list[int] = []
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-cpu")
-        self._add_scratch = None  # fp32 chunk buffer of _host_add (used by the one pool worker only)
+        self.host_math = HostMath()  # chunked adds and norms of host grads (the one pool worker only)
         self._grad_scratch = None  # master-dtype grads of the unit the CPU AdamW steps (one worker: one buffer)
         # seconds spent per kind of host work since the last reset_host_seconds() (calibration:
         # compared with the cost model's CPU terms); pool keys and main-thread keys never overlap
@@ -445,7 +445,7 @@ class OffloadEngine(EngineStateDict):
         if self.direct:
             u.stage_free.set()  # the CPU AdamW waits for d2h_done itself
             return
-        first = self.round == 0
+        first, last = self.round == 0, self.round == self.rounds - 1
         ev = u.d2h_done
 
         def accumulate():
@@ -454,27 +454,15 @@ class OffloadEngine(EngineStateDict):
             if first:
                 u.gacc.copy_(u.g_stage)
             else:
-                self._host_add(u.gacc, u.g_stage)
-            self.host_seconds["accumulate"] += time.perf_counter() - t
+                self.host_math.add_(u.gacc, u.g_stage)
+            t1 = time.perf_counter()
+            self.host_seconds["accumulate"] += t1 - t
+            if last:  # the sum is complete: its norm now, overlapped with the rest of the backward
+                u.host_sq = self.host_math.sq_norm(u.gacc)
+                self.host_seconds["grad_norm_on_host"] += time.perf_counter() - t1
             u.stage_free.set()
 
         self.pool.submit(accumulate)
-
-    def _host_add(self, acc: torch.Tensor, staged: torch.Tensor) -> None:
-        """acc += staged on the CPU worker. torch's mixed-dtype add (fp32 += bf16) is not
-        vectorized: measured ~9x slower per byte than converting the chunk into an fp32 scratch
-        buffer and adding same-dtype (one scratch: the pool has one worker)."""
-        if acc.dtype == staged.dtype:
-            acc.add_(staged)
-            return
-        n = HOST_ADD_CHUNK
-        if self._add_scratch is None or self._add_scratch.dtype != acc.dtype:
-            self._add_scratch = torch.empty(min(n, acc.numel()), dtype=acc.dtype)
-        for a in range(0, acc.numel(), n):
-            b = min(acc.numel(), a + n)
-            tmp = self._add_scratch[: b - a]
-            tmp.copy_(staged[a:b])
-            acc[a:b].add_(tmp)
 
     def _reduce_scatter(self, u: Unit) -> torch.Tensor:
         """Sum the unit's full grad over the ranks into this rank's shard (u.gsh) on the compute
@@ -580,10 +568,15 @@ class OffloadEngine(EngineStateDict):
         gpu_units = [u for u in self.units if u.mode == "gpu"]
         host_units = [u for u in self.units if u.mode != "gpu"]
         # units accumulated on the host: the norm of the sum, on the CPU
+        # units accumulated on the host: the norm of the sum, taken by the last accumulation (or
+        # here when the step ran fewer micro-batches than planned)
         t = time.perf_counter()
-        cpu_sq = sum(float(torch.linalg.vector_norm(u.gacc, dtype=torch.float32) ** 2)
-                     for u in host_units if not (self.direct or u.gpu_acc))
-        self.host_seconds["grad_norm_on_host"] += time.perf_counter() - t
+        cpu_sq = 0.0
+        for u in host_units:
+            if not (self.direct or u.gpu_acc):
+                cpu_sq += u.host_sq if u.host_sq is not None else self.host_math.sq_norm(u.gacc)
+            u.host_sq = None
+        self.host_seconds["step_norms_on_host"] += time.perf_counter() - t
         if self.world > 1:
             import torch.distributed as dist
 

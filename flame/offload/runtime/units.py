@@ -36,6 +36,7 @@ class Unit:
         self.gpu_acc = False  # grads accumulated on the GPU over the rounds (host units, rounds > 1)
         self.gacc_dev = None
         self.sent = False  # this step's accumulated grads went to the host
+        self.host_sq = None  # squared norm of the host accumulator, once its last round is added
         # data-parallel shard of the flat buffers (see the module doc): padded numel, shard numel,
         # first owned element; the whole unit (pn = sn = numel, lo = 0) with one rank or in "gpu" mode
         self.sharded = False
