@@ -311,8 +311,8 @@ def predict(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, layer_modes, l
     # host accumulation, every micro-batch after the unit's D2H, on the CPU worker: the first
     # copies the staged grads (read c, write g bytes/param), the others add: same dtype read c,
     # read+write g; mixed dtypes convert a chunk into a scratch buffer first (+ write g, read g),
-    # see runtime.host_math. The last round also reads the sum once for its norm (the chunk
-    # conversion of a norm stays in cache: not counted).
+    # see runtime.host_math. The last round also takes the sum's norm chunk by chunk while the
+    # chunk is in cache; approximated as one more read of g bytes/param.
     add_bytes = c + 2 * g + (2 * g if c != g else 0)
 
     def acc_s(j: int, r: int) -> float:
