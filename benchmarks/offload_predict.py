@@ -17,6 +17,7 @@ then (after-the-fact: this checks a cost-model change against measurements alrea
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -29,10 +30,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.offload import A_MB, A_SEQ, llama  # noqa: E402
 from flame.offload import optimizer_threads  # noqa: E402
-from flame.offload.cost_model import Dtypes, predict  # noqa: E402
+from flame.offload.calibration import cpu_adam_scale, predict_again, with_cpu_adam_scale  # noqa: E402
+from flame.offload.cost_model import Dtypes  # noqa: E402
 from flame.offload.costs import model_costs  # noqa: E402
 from flame.offload.profile import HardwareProfile  # noqa: E402
-from flame.offload.solver import solve_micro_batches  # noqa: E402
+from flame.offload.solver import Plan, solve_micro_batches  # noqa: E402
 
 GiB = 1024**3
 # the engine rows of benchmarks/offload.py: (name, model, dtypes, GPU cap GiB, seq, sequences per step)
@@ -55,8 +57,9 @@ def replay(result: str) -> list[dict]:
     chunk = res.get("loss_chunk_tokens", 0)
     rows = []
     print(f"replay of {result} ({prof.device_name}); current cost model, that run's profile and block factor")
-    print("| run | world | measured step s | predicted then | predicted now | now vs measured |")
-    print("|---|---|---|---|---|---|")
+    print("| run | world | measured step s | predicted then | predicted now | now vs measured | "
+          "CPU AdamW refit | refit vs measured |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, r in res.items():
         if name not in ROW_OF or "plan" not in r:
             continue
@@ -73,14 +76,25 @@ def replay(result: str) -> list[dict]:
         world = r.get("world", 1)
         costs = model_costs(llama(size), getattr(torch, dt.compute), [mb], seq, loss_chunk_tokens=chunk)[mb]
         threads = optimizer_threads(prof.cpu_cores, world)  # as benchmarks/offload.py
-        now = predict(costs, prof, dt, pl["layer_modes"], pl["layer_acts"], pl["outer"], pl["depth"], mb, rounds,
-                      threads, r["block_calibration"]["fudge"], pl.get("layer_gpu_acc"), pl.get("outer_gpu_acc", False),
-                      world=world, node_ranks=world).step_s
+        plan = Plan(pl["layer_modes"], pl["layer_acts"], pl["outer"], pl["depth"], mb, seq, rounds, threads,
+                    dataclasses.asdict(dt), 0, 0, world=world, node_ranks=world, layer_gpu_acc=pl.get("layer_gpu_acc") or [],
+                    outer_gpu_acc=pl.get("outer_gpu_acc", False))
+        fudge = r["block_calibration"]["fudge"]
+        now = predict_again(plan, costs, prof, fudge).step_s
         row = {"run": name, "world": world, "measured_step_s": r["step_s"], "predicted_then_s": r["predicted_step_s"],
                "predicted_now_s": now, "error_now": now / r["step_s"] - 1}
+        # the calibration's first refit: the CPU AdamW rate the engine measured in the run
+        adam_s = (r.get("host_seconds_per_step") or {}).get("cpu_adam")
+        if adam_s:
+            scale = cpu_adam_scale(plan, costs, prof, adam_s)
+            row.update(cpu_adam_scale=scale, refit_cpu_s=predict_again(plan, costs, with_cpu_adam_scale(prof, scale),
+                                                                        fudge).step_s)
+            row["error_refit_cpu"] = row["refit_cpu_s"] / r["step_s"] - 1
         rows.append(row)
+        refit_txt = (f"{row['refit_cpu_s']:.3f} (rate x{row['cpu_adam_scale']:.2f}) | {100 * row['error_refit_cpu']:+.1f}%"
+                     if adam_s else "- | -")
         print(f"| {name} | {world} | {r['step_s']:.3f} | {r['predicted_step_s']:.3f} | {now:.3f} | "
-              f"{100 * row['error_now']:+.1f}% |", flush=True)
+              f"{100 * row['error_now']:+.1f}% | {refit_txt} |", flush=True)
     return rows
 
 

@@ -906,7 +906,8 @@ def main(argv=None):
     table = rows(results, ceiling)
     device = ceiling.get("device", "cpu")
     doc = {
-        "suite": a.suite, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "suite": a.suite, "command": " ".join([os.path.relpath(__file__, ROOT)] + (argv if argv is not None else sys.argv[1:])),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": device, "versions": versions(), "warmup_steps": a.warmup, "timed_steps": a.steps,
         "ceiling": ceiling, "table": table, "cases": results, "wall_s": time.perf_counter() - start,
     }

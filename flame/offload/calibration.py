@@ -13,12 +13,13 @@ not rebuilt mid-run (that would hold a second copy of the whole optimizer state)
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
 from dataclasses import asdict
 
-from flame.offload.cost_model import Dtypes
+from flame.offload.cost_model import Dtypes, shard_numel
 from flame.offload.solver import Plan, solve
 
 logger = logging.getLogger(__name__)
@@ -40,13 +41,48 @@ def compare(plan: Plan, measured_step_s: float, measured_peak_bytes: int | None)
     return out
 
 
+def cpu_adam_scale(plan: Plan, costs, prof, cpu_adam_s: float) -> float:
+    """Measured over profiled CPU AdamW rate: the seconds the plan's host units should take at the
+    profile's rate over the seconds the engine measured for them (its host_seconds["cpu_adam"]
+    per step). In the engine AdamW runs unit by unit while DMA and the grad accumulation use the
+    same memory bandwidth, which the micro-benchmark of the profile does not see."""
+    units = [costs.outer] + list(costs.layers)
+    modes = [plan.outer_mode] + list(plan.layer_modes)
+    params = sum(shard_numel(u.numel, plan.world) for u, m in zip(units, modes) if m != "gpu")
+    if not params or cpu_adam_s <= 0:
+        return 1.0
+    return params / prof.cpu_adam_rate(plan.cpu_threads, plan.node_ranks) / cpu_adam_s
+
+
+def with_cpu_adam_scale(prof, scale: float):
+    """The profile with every CPU AdamW rate multiplied by `scale`."""
+    return dataclasses.replace(prof, cpu_adam_gparams={k: v * scale for k, v in prof.cpu_adam_gparams.items()})
+
+
+def predict_again(plan: Plan, costs, prof, fudge: float):
+    """The plan's decisions predicted again with another profile or compute scale."""
+    from flame.offload.cost_model import predict
+
+    return predict(costs, prof, Dtypes(**plan.dtypes), plan.layer_modes, plan.layer_acts, plan.outer_mode,
+                   plan.prefetch_depth, plan.micro_batch, plan.rounds, plan.cpu_threads, fudge, plan.layer_gpu_acc,
+                   plan.outer_gpu_acc, world=plan.world, node_ranks=plan.node_ranks)
+
+
 def refit(plan: Plan, costs, prof, measured_step_s: float, overrides=None,
-          depths=(1, 2, 3)) -> tuple[float, Plan | None]:
-    """(refit compute scale, new plan or None when the step is within tolerance)."""
+          depths=(1, 2, 3), cpu_adam_s: float | None = None) -> tuple[float, Plan | None]:
+    """(refit compute scale, new plan or None when the step is within tolerance).
+
+    With `cpu_adam_s` (the engine's measured CPU AdamW seconds per step), the CPU rate is refit
+    first and the plan predicted again; what is left of the error goes to the compute scale."""
     pr = plan.predicted
-    ratio = measured_step_s / pr["step_s"]
-    fudge = pr.get("compute_fudge", 1.0) * ratio
-    if abs(ratio - 1.0) <= TOLERANCE:
+    fudge = pr.get("compute_fudge", 1.0)
+    predicted = pr["step_s"]
+    if cpu_adam_s:
+        prof = with_cpu_adam_scale(prof, cpu_adam_scale(plan, costs, prof, cpu_adam_s))
+        predicted = predict_again(plan, costs, prof, fudge).step_s
+    ratio = measured_step_s / predicted
+    fudge *= ratio
+    if abs(measured_step_s / pr["step_s"] - 1.0) <= TOLERANCE:
         return fudge, None
     dt = Dtypes(**plan.dtypes)
     new = solve(costs, prof, dt, plan.gpu_budget_bytes, plan.host_budget_bytes, plan.micro_batch, plan.rounds,
@@ -115,6 +151,7 @@ class StepCalibrator:
             self._sync()
             if torch.cuda.is_available():
                 torch.cuda.reset_peak_memory_stats()
+            self.engine.reset_host_seconds()
             self.t0 = time.perf_counter()
 
     def after_step(self) -> dict | None:
@@ -127,8 +164,11 @@ class StepCalibrator:
         measured = (time.perf_counter() - self.t0) / (self.last - self.FIRST + 1)
         peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
         rep = compare(self.plan, measured, peak)
-        fudge, new = refit(self.plan, self.costs, self.prof, measured, self.overrides, self.depths)
+        cpu_adam_s = self.engine.reset_host_seconds().get("cpu_adam", 0.0) / (self.last - self.FIRST + 1)
+        fudge, new = refit(self.plan, self.costs, self.prof, measured, self.overrides, self.depths, cpu_adam_s)
         rep["refit_compute_scale"] = fudge
+        rep["measured_cpu_adam_s"] = cpu_adam_s
+        rep["refit_cpu_adam_scale"] = cpu_adam_scale(self.plan, self.costs, self.prof, cpu_adam_s)
         rep["replanned"] = new is not None and not same_decisions(new, self.plan)
         peak_txt = f"{peak / GiB:.2f} GiB" if peak is not None else "n/a (no GPU)"
         logger.info("offload calibration (steps %d-%d of this launch): step predicted %.4g s, measured %.4g s (%+.0f%%); "
@@ -141,9 +181,10 @@ class StepCalibrator:
                 tmp = self.path + ".tmp"
                 new.save(tmp)
                 os.replace(tmp, self.path)
-            logger.info("offload calibration: off by more than %d%%; re-solved with compute scale %.3g: predicted "
-                        "%.4g s per step. The new plan (%s) is used from the next launch of this job on.",
-                        100 * TOLERANCE, fudge, new.predicted["step_s"], self.path)
+            logger.info("offload calibration: off by more than %d%%; re-solved with compute scale %.3g and CPU AdamW "
+                        "rate scale %.3g: predicted %.4g s per step. The new plan (%s) is used from the next launch "
+                        "of this job on.", 100 * TOLERANCE, fudge, rep["refit_cpu_adam_scale"],
+                        new.predicted["step_s"], self.path)
         elif new is not None:
             logger.info("offload calibration: re-solved with compute scale %.3g: the same plan", fudge)
         return rep

@@ -282,7 +282,7 @@ def test_step_calibration_refits_writes_and_reuses_the_plan(tmp_path, monkeypatc
     assert cal.refit(plan, costs, p, plan.predicted["step_s"] * 1.05)[1] is None  # within 10%
     clock = iter([100.0, 100.0 + 30 * plan.predicted["step_s"]])
     monkeypatch.setattr(cal.time, "perf_counter", lambda: next(clock))
-    engine = types.SimpleNamespace(synchronize=lambda: None)
+    engine = types.SimpleNamespace(synchronize=lambda: None, reset_host_seconds=dict)  # no host units timed
     calib = cal.StepCalibrator(engine, plan, costs, p, [], str(tmp_path), window=1)
     for _ in range(cal.StepCalibrator.FIRST - 1):
         calib.before_step()
@@ -387,3 +387,24 @@ def test_grad_conversion_to_master_dtype_is_costed(costs):
     biggest = max(u.numel for u in host_units)
     # fp32 -> bf16 grads: the pinned grad buffers shrink by 2 bytes/param, the scratch adds 4 bytes/param
     assert f32.host_bytes - bf.host_bytes == sum(u.numel for u in host_units) * 2 - biggest * 4
+
+
+def test_calibration_refits_the_cpu_adam_rate_before_compute(costs):
+    """The engine measured its CPU AdamW at half the profiled rate: the refit halves the rate,
+    and a step that is exactly what the plan predicts at that rate leaves the compute scale at 1."""
+    from flame.offload import calibration as cal
+
+    p = prof()
+    plan = solve(costs, p, Dtypes(), 40 * GiB, 64 * GiB, 2, 1, 15, overrides=["weights[*]=host"])
+    host = sum(u.numel for u, m in zip([costs.outer] + list(costs.layers), [plan.outer_mode] + plan.layer_modes)
+               if m != "gpu")
+    assert host > 0
+    profiled_s = host / p.cpu_adam_rate(15)
+    assert cal.cpu_adam_scale(plan, costs, p, 2 * profiled_s) == pytest.approx(0.5)
+    slow = cal.with_cpu_adam_scale(p, 0.5)
+    assert slow.cpu_adam_rate(15) == pytest.approx(p.cpu_adam_rate(15) / 2)
+    step = cal.predict_again(plan, costs, slow, 1.0).step_s
+    assert step > plan.predicted["step_s"] * 1.1  # the slower optimizer shows in the step
+    fudge, new = cal.refit(plan, costs, p, step, cpu_adam_s=2 * profiled_s)
+    assert fudge == pytest.approx(1.0) and new is not None
+    assert new.predicted["step_s"] <= step * (1 + 1e-9)  # re-solved at the measured rate: no slower
