@@ -767,12 +767,13 @@ def rows(results, ceiling):
                 table.append({"case": c["name"], "error": r.get("error", "no timing"), "seq": c["seq"], "batch": c["batch"]})
                 continue
             fl = ph["flops"]
-            tps = ph["tokens_per_second"]
+            tps = ph["tokens_per_second"]  # per data-parallel rank
+            per_gpu = tps / c.get("tp", 1)  # a rank with tensor parallelism spans tp GPUs
             row = {
                 "case": c["name"], "framework": c["kind"], "model": c["model"], "seq": ph["seq"], "batch": ph["batch"],
                 "ac": c["ac"], "compile": c["compile"], "varlen": c["varlen"], "nproc": c["nproc"], "tp": c["tp"],
                 "tokens_per_second": tps, "global_tokens_per_second": ph.get("global_tokens_per_second", tps),
-                "tflops_full": tps * fl["full"] / 1e12, "tflops_causal": tps * fl["causal"] / 1e12,
+                "tflops_full": per_gpu * fl["full"] / 1e12, "tflops_causal": per_gpu * fl["causal"] / 1e12,
                 "peak_reserved_gib": ph.get("peak_reserved_gib"), "peak_allocated_gib": ph.get("peak_allocated_gib"),
             }
             if peak:
@@ -823,7 +824,7 @@ def markdown(doc) -> str:
            f"{doc.get('timed_steps')} timed steps per row, {doc.get('date')}.", "",
            "| case | seq | batch | AC | tokens/s | TFLOP/s (full) | MFU % (full) | TFLOP/s (causal) | peak GiB | largest batch | ratio | vs |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in doc["table"]:
+    for r in rows(doc["cases"], c):  # derived again from the raw cases: the current FLOP accounting
         if "error" in r:
             out.append(f"| {r['case']} | {r['seq']} | {r['batch']} | | not measured: {r['error'][:60]} | | | | | | | |")
             continue
