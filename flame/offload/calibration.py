@@ -3,9 +3,10 @@
 Before the run, `measure_block_fudge` times one real block at the run's shapes and scales the
 cost model's compute times (build_plan). During the run, `StepCalibrator` times a few steady
 steps once (steps 3-5 of the launch), logs predicted vs measured step time and peak GPU memory,
-and, when the step is off by more than 10%, refits the compute scale (measured / predicted:
-the approximation: copies and the CPU optimizer already use measured rates, so the whole error
-is put on compute) and solves again, once. A changed plan is written next to the checkpoints
+and, when the step is off by more than 10%, refits and solves again, once: first the CPU AdamW
+rate, from the seconds the engine itself measured for it in the window (the profile's rate is a
+micro-benchmark on an idle host), then the compute scale with what is left of the error (the
+approximation: the copies use measured rates, so the rest of the error is put on compute). A changed plan is written next to the checkpoints
 (`offload_plan_calibrated.json`) and used from the next launch of the job on (a resume), when
 it was made for the same dtypes, shapes, ranks and overrides and fits the budgets; the running engine is
 not rebuilt mid-run (that would hold a second copy of the whole optimizer state).
@@ -69,16 +70,17 @@ def predict_again(plan: Plan, costs, prof, fudge: float):
 
 
 def refit(plan: Plan, costs, prof, measured_step_s: float, overrides=None,
-          depths=(1, 2, 3), cpu_adam_s: float | None = None) -> tuple[float, Plan | None]:
+          depths=(1, 2, 3), cpu_rate_scale: float = 1.0) -> tuple[float, Plan | None]:
     """(refit compute scale, new plan or None when the step is within tolerance).
 
-    With `cpu_adam_s` (the engine's measured CPU AdamW seconds per step), the CPU rate is refit
-    first and the plan predicted again; what is left of the error goes to the compute scale."""
+    With `cpu_rate_scale` (cpu_adam_scale of the engine's measured CPU AdamW time) other than 1,
+    the CPU rate is refit first and the plan predicted again; what is left of the error goes to
+    the compute scale."""
     pr = plan.predicted
     fudge = pr.get("compute_fudge", 1.0)
     predicted = pr["step_s"]
-    if cpu_adam_s:
-        prof = with_cpu_adam_scale(prof, cpu_adam_scale(plan, costs, prof, cpu_adam_s))
+    if cpu_rate_scale != 1.0:
+        prof = with_cpu_adam_scale(prof, cpu_rate_scale)
         predicted = predict_again(plan, costs, prof, fudge).step_s
     ratio = measured_step_s / predicted
     fudge *= ratio
@@ -165,10 +167,11 @@ class StepCalibrator:
         peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
         rep = compare(self.plan, measured, peak)
         cpu_adam_s = self.engine.reset_host_seconds().get("cpu_adam", 0.0) / (self.last - self.FIRST + 1)
-        fudge, new = refit(self.plan, self.costs, self.prof, measured, self.overrides, self.depths, cpu_adam_s)
+        cpu_scale = cpu_adam_scale(self.plan, self.costs, self.prof, cpu_adam_s)
+        fudge, new = refit(self.plan, self.costs, self.prof, measured, self.overrides, self.depths, cpu_scale)
         rep["refit_compute_scale"] = fudge
         rep["measured_cpu_adam_s"] = cpu_adam_s
-        rep["refit_cpu_adam_scale"] = cpu_adam_scale(self.plan, self.costs, self.prof, cpu_adam_s)
+        rep["refit_cpu_adam_scale"] = cpu_scale
         rep["replanned"] = new is not None and not same_decisions(new, self.plan)
         peak_txt = f"{peak / GiB:.2f} GiB" if peak is not None else "n/a (no GPU)"
         logger.info("offload calibration (steps %d-%d of this launch): step predicted %.4g s, measured %.4g s (%+.0f%%); "

@@ -405,6 +405,6 @@ def test_calibration_refits_the_cpu_adam_rate_before_compute(costs):
     assert slow.cpu_adam_rate(15) == pytest.approx(p.cpu_adam_rate(15) / 2)
     step = cal.predict_again(plan, costs, slow, 1.0).step_s
     assert step > plan.predicted["step_s"] * 1.1  # the slower optimizer shows in the step
-    fudge, new = cal.refit(plan, costs, p, step, cpu_adam_s=2 * profiled_s)
+    fudge, new = cal.refit(plan, costs, p, step, cpu_rate_scale=cal.cpu_adam_scale(plan, costs, p, 2 * profiled_s))
     assert fudge == pytest.approx(1.0) and new is not None
     assert new.predicted["step_s"] <= step * (1 + 1e-9)  # re-solved at the measured rate: no slower

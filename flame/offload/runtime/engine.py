@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import math
 import threading
-import weakref
 import time
+import weakref
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
@@ -565,7 +565,6 @@ class OffloadEngine(EngineStateDict):
         sq = self.gpu_sq.clone()  # the norms taken on the GPU as grads left for the host
         gpu_units = [u for u in self.units if u.mode == "gpu"]
         host_units = [u for u in self.units if u.mode != "gpu"]
-        # units accumulated on the host: the norm of the sum, on the CPU
         # units accumulated on the host: the norm of the sum, taken by the last accumulation (or
         # here when the step ran fewer micro-batches than planned)
         t = time.perf_counter()
