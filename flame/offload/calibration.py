@@ -52,12 +52,13 @@ def cpu_adam_scale(plan: Plan, costs, prof, cpu_adam_s: float) -> float:
     params = sum(shard_numel(u.numel, plan.world) for u, m in zip(units, modes) if m != "gpu")
     if not params or cpu_adam_s <= 0:
         return 1.0
-    return params / prof.cpu_adam_rate(plan.cpu_threads, plan.node_ranks) / cpu_adam_s
+    return params / prof.cpu_adam_rate(plan.cpu_threads, plan.node_ranks, plan.dtypes["master"]) / cpu_adam_s
 
 
 def with_cpu_adam_scale(prof, scale: float):
-    """The profile with every CPU AdamW rate multiplied by `scale`."""
-    return dataclasses.replace(prof, cpu_adam_gparams={k: v * scale for k, v in prof.cpu_adam_gparams.items()})
+    """The profile with every CPU AdamW rate (each states dtype) multiplied by `scale`."""
+    return dataclasses.replace(prof, cpu_adam_gparams={k: v * scale for k, v in prof.cpu_adam_gparams.items()},
+                               cpu_adam_bf16_gparams={k: v * scale for k, v in prof.cpu_adam_bf16_gparams.items()})
 
 
 def predict_again(plan: Plan, costs, prof, fudge: float):

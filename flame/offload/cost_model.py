@@ -279,9 +279,9 @@ def predict(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, layer_modes, l
     scale = micro_batch / costs.micro_batch
     layers, outer = costs.layers, costs.outer
     c = dt.c
-    cpu_rate = prof.cpu_adam_rate(cpu_threads, node_ranks)
-    # fp32 states move ~16 B/param through the fused CPU AdamW; smaller states are cheaper in
-    # bytes but the kernel is compute-bound at fp32, so the measured fp32 rate is used as is.
+    # the fused CPU AdamW's rate for the master dtype (its moments take that dtype), measured while
+    # H2D copies run: in the steady state it overlaps the next forward's weight streaming
+    cpu_rate = prof.cpu_adam_rate(cpu_threads, node_ranks, dt.master)
     h2d = prof.h2d_gbps * 1e9
     share = prof.duplex_gbps * 1e9
     h2d_bwd = share * prof.h2d_gbps / (prof.h2d_gbps + prof.d2h_gbps)

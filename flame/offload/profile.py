@@ -48,23 +48,36 @@ class HardwareProfile:
     allgather_gbps: float = 0.0
     reducescatter_gbps: float = 0.0
     extra: dict = field(default_factory=dict)
+    cpu_adam_bf16_gparams: dict[str, float] = field(default_factory=dict)
+    """Fused CPU AdamW rate with bf16 params, grads and moments (half the bytes of fp32), per
+    thread count; empty in profiles stored before it was measured (the fp32 rate is used then)."""
+    cpu_adam_under_h2d: dict[str, float] = field(default_factory=dict)
+    """Per state dtype ('float32', 'bfloat16'): the CPU AdamW rate while pinned H2D copies run,
+    over its rate on an idle host (at the most threads measured). The engine's AdamW overlaps the
+    next forward's weight streaming, which reads the same host memory; empty: 1.0."""
 
     def gemm_rate(self, shape: str | None = None) -> float:
         """FLOP/s for a GEMM shape (falls back to the mean of measured shapes)."""
         t = self.gemm_tflops.get(shape) if shape else None
         return 1e12 * (t if t else self.gemm_tflops["default"])
 
-    def cpu_adam_rate(self, threads: int, node_ranks: int = 1) -> float:
-        """params/s of one process's CPU optimizer with `threads` threads while `node_ranks`
-        processes run theirs at once on the machine: they share its memory bandwidth, so each gets
-        at most 1/node_ranks of the rate of all their threads together."""
-        one = self._adam_rate_at(threads)
-        return min(one, self._adam_rate_at(threads * node_ranks) / node_ranks) if node_ranks > 1 else one
+    def cpu_adam_rate(self, threads: int, node_ranks: int = 1, dtype: str = "float32") -> float:
+        """params/s of one process's CPU optimizer with `threads` threads and states in `dtype`,
+        while the weights stream to the GPU and `node_ranks` processes run theirs at once on the
+        machine: they share its memory bandwidth, so each gets at most 1/node_ranks of the rate of
+        all their threads together."""
+        table = self.cpu_adam_bf16_gparams if dtype == "bfloat16" and self.cpu_adam_bf16_gparams \
+            else self.cpu_adam_gparams
+        load = self.cpu_adam_under_h2d.get(dtype if table is not self.cpu_adam_gparams else "float32", 1.0)
+        one = self._adam_rate_at(table, threads)
+        rate = min(one, self._adam_rate_at(table, threads * node_ranks) / node_ranks) if node_ranks > 1 else one
+        return rate * load
 
-    def _adam_rate_at(self, threads: int) -> float:
+    @staticmethod
+    def _adam_rate_at(table: dict[str, float], threads: int) -> float:
         """Measured rate, linear between measured thread counts (proportional below the smallest,
         flat above the largest: more threads than measured are not assumed to help)."""
-        pts = sorted((int(k), 1e9 * v) for k, v in self.cpu_adam_gparams.items())
+        pts = sorted((int(k), 1e9 * v) for k, v in table.items())
         if threads <= pts[0][0]:
             return pts[0][1] * threads / pts[0][0]
         for (k0, r0), (k1, r1) in zip(pts, pts[1:]):
@@ -113,9 +126,9 @@ def _host_total_bytes() -> int:
         return 0
 
 
-def measure_cpu_adam(threads_list=None, numel: int = 1 << 26, dtype=torch.float32) -> dict[str, float]:
+def measure_cpu_adam(threads_list=None, numel: int = 1 << 26, dtype=torch.float32, steps: int = 3) -> dict[str, float]:
     """Fused CPU AdamW rate in G params/s for each thread count (runs on any machine)."""
-    cores = os.cpu_count() or 1
+    cores = len(os.sched_getaffinity(0))
     threads_list = threads_list or sorted({1, max(1, cores // 2), max(1, cores - 1), cores})
     p = torch.nn.Parameter(torch.zeros(numel, dtype=dtype))
     p.grad = torch.full_like(p, 1e-3)
@@ -127,13 +140,31 @@ def measure_cpu_adam(threads_list=None, numel: int = 1 << 26, dtype=torch.float3
             torch.set_num_threads(t)
             opt.step()
             t0 = time.perf_counter()
-            n = 3
-            for _ in range(n):
+            for _ in range(steps):
                 opt.step()
-            out[str(t)] = numel * n / (time.perf_counter() - t0) / 1e9
+            out[str(t)] = numel * steps / (time.perf_counter() - t0) / 1e9
     finally:
         torch.set_num_threads(old)
     return out
+
+
+def measure_cpu_adam_under_h2d(host: torch.Tensor, dev: torch.Tensor, dtype, copies: int = 32) -> float:
+    """CPU AdamW rate (most threads) while pinned `host` -> `dev` copies run on a side stream,
+    over its rate right before on the idle host (one number per dtype; see HardwareProfile)."""
+    threads = len(os.sched_getaffinity(0))
+    idle = measure_cpu_adam([threads], dtype=dtype, steps=5)[str(threads)]
+    side = torch.cuda.Stream(dev.device)
+    done = torch.cuda.Event()
+    with torch.cuda.stream(side):
+        for _ in range(copies):  # ~0.5 s of DMA: longer than the timed AdamW steps below
+            dev.copy_(host, non_blocking=True)
+        done.record(side)
+    loaded = measure_cpu_adam([threads], dtype=dtype, steps=5)[str(threads)]
+    still_copying = not done.query()
+    done.synchronize()
+    if not still_copying:  # the copies ended before the AdamW did: the ratio would be diluted
+        raise RuntimeError("profile: the H2D copies ended before the CPU AdamW timing; raise `copies`")
+    return loaded / idle
 
 
 def measure(gemm_shapes: list[tuple[int, int, int]] | None = None, device: str = "cuda") -> HardwareProfile:
@@ -190,6 +221,7 @@ def measure(gemm_shapes: list[tuple[int, int, int]] | None = None, device: str =
     for _ in range(3):
         h2.copy_(h1)
     memcpy = 3 * nbytes / (time.perf_counter() - t0) / 1e9
+    under_h2d = {str(d).removeprefix("torch."): measure_cpu_adam_under_h2d(h1, g1, d) for d in (torch.float32, bf)}
     del g1, g2, h1, h2, pg
 
     p = torch.nn.Parameter(torch.zeros(1 << 26, device=dev))
@@ -216,6 +248,8 @@ def measure(gemm_shapes: list[tuple[int, int, int]] | None = None, device: str =
         cpu_adam_gparams=measure_cpu_adam(),
         gpu_adam_gparams=gpu_adam,
         pin_s_per_gib=pin_s,
+        cpu_adam_bf16_gparams=measure_cpu_adam(dtype=bf),
+        cpu_adam_under_h2d=under_h2d,
     )
 
 

@@ -126,6 +126,47 @@ def test_cpu_adam_rate_between_measured_thread_counts_and_shared_by_ranks():
     assert per_rank == sorted(per_rank, reverse=True)  # more ranks sharing: never faster per rank
 
 
+def test_cpu_adam_rate_of_the_states_dtype_under_h2d_load():
+    p = prof(cpu_adam_gparams={"1": 0.5, "16": 4.0}, cpu_adam_bf16_gparams={"1": 0.8, "16": 6.0},
+             cpu_adam_under_h2d={"float32": 0.5, "bfloat16": 0.75})
+    assert p.cpu_adam_rate(16) == pytest.approx(4.0e9 * 0.5)
+    assert p.cpu_adam_rate(16, dtype="bfloat16") == pytest.approx(6.0e9 * 0.75)
+    assert p.cpu_adam_rate(8, node_ranks=2, dtype="bfloat16") == pytest.approx(6.0e9 / 2 * 0.75)
+    # a profile stored before the bf16 rate was measured: the fp32 rate (and its load factor)
+    old = prof(cpu_adam_gparams={"1": 0.5, "16": 4.0}, cpu_adam_under_h2d={"float32": 0.5})
+    assert old.cpu_adam_rate(16, dtype="bfloat16") == pytest.approx(2.0e9)
+    assert prof(cpu_adam_gparams={"16": 4.0}).cpu_adam_rate(16, dtype="bfloat16") == pytest.approx(4.0e9)
+    # the cost model takes the master dtype's rate: bf16 states make the CPU part 1.5x faster here
+    lay = UnitCosts("l", "layer", 10**9, {}, 1e12, 0.0, 0, 0, 0)
+    c = ModelCosts(1, 1, [lay, UnitCosts("outer", "outer", 0, {}, 0.0, 0.0, 0, 0, 0)], "L")
+    bf = Dtypes("bfloat16", "bfloat16", "bfloat16", "bfloat16")
+    f32_cpu = predict(c, p, Dtypes(), ["stream"], ["keep"], "gpu", 1, 1, 1, 16).cpu_s
+    bf_cpu = predict(c, p, bf, ["stream"], ["keep"], "gpu", 1, 1, 1, 16).cpu_s
+    # AdamW + the new bf16 compute copy of the fp32 master (read 4, write 2 bytes/param)
+    assert f32_cpu == pytest.approx(10**9 / 2.0e9 + 10**9 * (4 + 2) / 10e9)
+    assert bf_cpu == pytest.approx(10**9 / 4.5e9)
+
+
+def test_stored_profile_without_the_newer_rates_loads(tmp_path):
+    import json
+
+    d = dataclasses.asdict(prof())
+    for k in ("cpu_adam_bf16_gparams", "cpu_adam_under_h2d"):
+        d.pop(k)
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(d))
+    p = load(str(path))
+    assert p.cpu_adam_bf16_gparams == {} and p.cpu_adam_rate(15, dtype="bfloat16") == pytest.approx(4.0e9)
+
+
+def test_cpu_adam_measured_per_dtype_on_this_machine():
+    from flame.offload.profile import measure_cpu_adam
+
+    for dt in (torch.float32, torch.bfloat16):
+        r = measure_cpu_adam([1, 2], numel=1 << 18, dtype=dt, steps=2)
+        assert set(r) == {"1", "2"} and all(v > 0 for v in r.values())
+
+
 def test_ranks_sharing_the_cpu_predict_a_slower_optimizer():
     lay = UnitCosts("l", "layer", 10**9, {}, 1e12, 0.0, 0, 0, 0)
     c = ModelCosts(1, 1, [lay, UnitCosts("outer", "outer", 0, {}, 0.0, 0.0, 0, 0, 0)], "L")
@@ -403,6 +444,8 @@ def test_calibration_refits_the_cpu_adam_rate_before_compute(costs):
     assert cal.cpu_adam_scale(plan, costs, p, 2 * profiled_s) == pytest.approx(0.5)
     slow = cal.with_cpu_adam_scale(p, 0.5)
     assert slow.cpu_adam_rate(15) == pytest.approx(p.cpu_adam_rate(15) / 2)
+    both = cal.with_cpu_adam_scale(prof(cpu_adam_bf16_gparams={"15": 6.0}), 0.5)
+    assert both.cpu_adam_rate(15, dtype="bfloat16") == pytest.approx(3.0e9)
     step = cal.predict_again(plan, costs, slow, 1.0).step_s
     assert step > plan.predicted["step_s"] * 1.1  # the slower optimizer shows in the step
     fudge, new = cal.refit(plan, costs, p, step, cpu_rate_scale=cal.cpu_adam_scale(plan, costs, p, 2 * profiled_s))
