@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from flame.components.chunked_loss import chunked_head_loss, install_chunked_head, take_chunked_loss  # noqa: E402
-from flame.offload.calibration import measure_block_fudge  # noqa: E402
+from flame.offload.calibration import measure_block_fudges  # noqa: E402
 from flame.offload.cost_model import Dtypes  # noqa: E402
 from flame.offload.costs import model_costs  # noqa: E402
 from flame.offload.profile import measure, save  # noqa: E402
@@ -184,15 +184,17 @@ def run_engine(cfg, prof, dt, cap_gib, seq, step_sequences, steps, model_dtype):
     # host budget: the machine's RAM minus 16 GiB (other sections' memory may not be returned to
     # the OS yet, so MemAvailable would understate it)
     host = prof.host_total_bytes - 16 * GiB
-    cal = measure_block_fudge(cfg, costs_of[1], prof, 1, seq, getattr(torch, dt.compute))
-    print("block calibration", cal, flush=True)
+    cals = measure_block_fudges(cfg, costs_of, prof, seq, getattr(torch, dt.compute))
+    print("block calibration", cals, flush=True)
     # per rank: the host (one machine) is shared by the ranks
     threads = optimizer_threads(len(os.sched_getaffinity(0)), world)
     plan, costs = solve_micro_batches(costs_of, step_sequences, prof, dt, int(cap_gib * GiB), host // world, threads,
-                                      depths=(1, 2, 3), fudge=cal["fudge"], world=world, node_ranks=world)
+                                      fudges={mb: c["fudge"] for mb, c in cals.items()}, depths=(1, 2, 3),
+                                      world=world, node_ranks=world)
     plan = agree_on_plan(plan)
     costs = costs_of[plan.micro_batch]
     mb, rounds = plan.micro_batch, plan.rounds
+    cal = cals[mb]
     text = describe(plan, costs)
     print(text, flush=True)
     torch.manual_seed(0)  # the same initial weights on every rank

@@ -78,17 +78,17 @@ def build_plan(model, job_config, device, world: int = 1, threads_from_profile: 
     node_ranks = max(1, min(world, int(os.environ.get("LOCAL_WORLD_SIZE", world))))
     threads = off.cpu_threads or optimizer_threads(cores, node_ranks)
     dt = Dtypes(off.compute_dtype, off.master_dtype, off.grad_dtype, off.moment_dtype)
-    fudge = 1.0
+    fudges = None
     if torch.device(device).type == "cuda":
-        from flame.offload.calibration import measure_block_fudge
+        from flame.offload.calibration import measure_block_fudges
 
-        # one real block timed at the run's shapes: scales the FLOP-based compute times
-        fudge = measure_block_fudge(model.config, costs_of[candidates[0]], prof, candidates[0], seq, cdt)["fudge"]
+        # one real block timed at the run's shapes, per candidate micro-batch: scales the
+        # FLOP-based compute times
+        fudges = {mb: r["fudge"] for mb, r in measure_block_fudges(model.config, costs_of, prof, seq, cdt).items()}
     # the micro-batch: the fastest plan over the candidates (every one runs the step's tokens)
-    plan, costs = solve_micro_batches(costs_of, accum * local, prof, dt, gpu, host, threads, depths=off.depths(),
-                                      overrides=off.overrides, allow_offload=off.enable != "off", fudge=fudge,
-                                      world=world, node_ranks=node_ranks)
-    plan.predicted["compute_fudge"] = fudge
+    plan, costs = solve_micro_batches(costs_of, accum * local, prof, dt, gpu, host, threads, fudges=fudges,
+                                      depths=off.depths(), overrides=off.overrides,
+                                      allow_offload=off.enable != "off", world=world, node_ranks=node_ranks)
     if off.calibrate:
         from flame.offload.calibration import calibrated_plan_for
 

@@ -215,24 +215,65 @@ def _time(fn, iters: int = 3) -> float:
 def measure_block_fudge(config, costs, prof, micro_batch: int, seq_len: int, dtype, device: str = "cuda") -> dict:
     """Time one real block (fwd, fwd+bwd) on the GPU at the run's shapes and compare with the
     FLOP-based prediction; returns {"fudge": measured / predicted, ...} for `solve(fudge=...)`."""
+    return measure_block_fudges(config, {micro_batch: costs}, prof, seq_len, dtype, device)[micro_batch]
+
+
+def measure_block_fudges(config, costs_of: dict, prof, seq_len: int, dtype, device: str = "cuda") -> dict[int, dict]:
+    """measure_block_fudge for every candidate micro-batch of `costs_of` (one block built once):
+    GEMMs of 4k rows run well below the rate of 32k rows, so one micro-batch's scale misjudges
+    another's. A micro-batch whose one block (fwd+bwd) runs out of GPU memory fits no plan and is
+    left out of the result (so are the larger ones)."""
     import copy
 
     import torch
     from transformers import AutoModelForCausalLM
-
-    from flame.offload.cost_model import unit_times
 
     c1 = copy.deepcopy(config)
     c1.num_hidden_layers = 1
     c1.use_cache = False  # a KV cache would chain every timed call's graph to the previous one
     with torch.device(device):
         m = AutoModelForCausalLM.from_config(c1, dtype=dtype)
-    got = {}
     blk = m.model.layers[0]
-    h = blk.register_forward_pre_hook(lambda mod, a, k: got.update(a=a, k=k), with_kwargs=True)
-    with torch.no_grad():
-        m(torch.zeros((micro_batch, seq_len), dtype=torch.long, device=device), use_cache=False)
-    h.remove()
+    out = {}
+    for mb in sorted(costs_of):
+        try:
+            out[mb] = _time_block(m, blk, costs_of[mb], prof, mb, seq_len, device)
+        except torch.OutOfMemoryError:
+            logger.info("offload: one block at micro-batch %d x %d does not fit the GPU; larger micro-batches "
+                        "left out", mb, seq_len)
+            break
+        finally:
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    del m, blk
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+class _Captured(Exception):
+    pass
+
+
+def _time_block(m, blk, costs, prof, micro_batch: int, seq_len: int, device: str) -> dict:
+    import torch
+
+    from flame.offload.cost_model import unit_times
+
+    got = {}
+
+    def capture(mod, a, k):  # the block's inputs; the rest of the model (the head) is not run
+        got.update(a=a, k=k)
+        raise _Captured
+
+    h = blk.register_forward_pre_hook(capture, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            m(torch.zeros((micro_batch, seq_len), dtype=torch.long, device=device), use_cache=False)
+    except _Captured:
+        pass
+    finally:
+        h.remove()
 
     def prep(x):
         return x.detach().requires_grad_(True) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
@@ -245,14 +286,13 @@ def measure_block_fudge(config, costs, prof, micro_batch: int, seq_len: int, dty
             blk(*args, **kwargs)
 
     def fwd_bwd():
-        out = blk(*args, **kwargs)
-        out = out[0] if isinstance(out, (tuple, list)) else out
-        out.backward(torch.ones_like(out))
+        o = blk(*args, **kwargs)
+        o = o[0] if isinstance(o, (tuple, list)) else o
+        o.backward(torch.ones_like(o))
 
     tf, tfb = _time(fwd), _time(fwd_bwd)
     pf, pb = unit_times(costs.layers[0], prof, micro_batch / costs.micro_batch)
-    del m, blk, args, kwargs
-    if device == "cuda":
-        torch.cuda.empty_cache()
+    for p in blk.parameters():
+        p.grad = None
     return {"fudge": tfb / (pf + pb), "measured_fwd_s": tf, "measured_fwd_bwd_s": tfb,
             "predicted_fwd_s": pf, "predicted_fwd_bwd_s": pf + pb}

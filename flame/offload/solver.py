@@ -197,16 +197,26 @@ def solve(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, gpu_budget: int,
 
 
 def solve_micro_batches(costs_of: dict[int, ModelCosts], step_sequences: int, prof: HardwareProfile, dt: Dtypes,
-                        gpu_budget: int, host_budget: int, cpu_threads: int, **kw) -> tuple[Plan, ModelCosts]:
+                        gpu_budget: int, host_budget: int, cpu_threads: int, fudges: dict[int, float] | None = None,
+                        **kw) -> tuple[Plan, ModelCosts]:
     """The fastest plan over micro-batches: `costs_of` maps candidate sequences per micro-batch
     (each dividing `step_sequences`) to their measured costs; rounds = step_sequences / micro-batch,
-    so every candidate runs the same tokens per step. A minimum over plans that each only get
-    faster with more GPU memory, so the monotonicity of `solve` holds. Raises the smallest
-    candidate's "needs ..." error when none fits."""
+    so every candidate runs the same tokens per step. `fudges`: each candidate's compute scale
+    (calibration.measure_block_fudges; a candidate missing from it is left out), else `fudge` for
+    all. A minimum over plans that each only get faster with more GPU memory, so the monotonicity
+    of `solve` holds. Raises the smallest candidate's "needs ..." error when none fits."""
+    if fudges is not None and not fudges:
+        raise ConfigError(f"offload: one block at micro-batch {min(costs_of)} does not fit in GPU memory "
+                          "(its forward+backward ran out of memory when timed)")
     best, best_costs, missing = None, None, None
     for mb in sorted(costs_of, reverse=True):
+        if fudges is not None:
+            if mb not in fudges:
+                continue
+            kw["fudge"] = fudges[mb]
         try:
             plan = solve(costs_of[mb], prof, dt, gpu_budget, host_budget, mb, step_sequences // mb, cpu_threads, **kw)
+            plan.predicted["compute_fudge"] = kw.get("fudge", 1.0)
         except ConfigError as e:
             missing = e  # the last is the smallest micro-batch's: the closest to fitting
             continue

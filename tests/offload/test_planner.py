@@ -369,6 +369,28 @@ def test_micro_batch_candidates_and_accumulation_steps():
         accumulation_steps(t(30, 4, 1), 2)
 
 
+def test_micro_batch_search_takes_each_candidates_compute_scale():
+    """Per-micro-batch compute scales: a candidate is predicted with its own scale (the chosen
+    plan records it), a candidate without one (its block did not fit when timed) is never chosen,
+    and none at all is a one-line error."""
+    from flame.offload.solver import solve, solve_micro_batches
+
+    meta = meta_model(small_llama())
+    costs_of = {mb: measure_costs(meta, mb, 2048) for mb in (4, 2, 1)}
+    args = (4, prof(), Dtypes(), 24 * GiB, 64 * GiB, 15)
+    plan, _ = solve_micro_batches(costs_of, *args, fudges={1: 1.0, 2: 1.0, 4: 1.0}, depths=(1,))
+    slow = {1: 1.0, 2: 1.0, 4: 1.0, plan.micro_batch: 3.0}
+    other, _ = solve_micro_batches(costs_of, *args, fudges=slow, depths=(1,))
+    assert other.micro_batch != plan.micro_batch and other.predicted["compute_fudge"] == 1.0
+    alone = solve(costs_of[plan.micro_batch], prof(), Dtypes(), 24 * GiB, 64 * GiB, plan.micro_batch,
+                  4 // plan.micro_batch, 15, depths=(1,), fudge=3.0)
+    assert other.predicted["step_s"] <= alone.predicted["step_s"]
+    only_one, _ = solve_micro_batches(costs_of, *args, fudges={1: 1.2}, depths=(1,))
+    assert only_one.micro_batch == 1 and only_one.predicted["compute_fudge"] == 1.2
+    with pytest.raises(ConfigError, match="micro-batch 1 does not fit"):
+        solve_micro_batches(costs_of, *args, fudges={}, depths=(1,))
+
+
 def test_micro_batch_search_respects_budgets_and_is_monotone():
     """The planner's micro-batch choice (fastest over the divisors of 4 sequences per step): every
     plan within both budgets, never slower with more GPU memory, smaller micro-batches where the
