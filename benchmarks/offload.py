@@ -57,6 +57,8 @@ def llama(size: str):
     return c
 
 
+# host_seconds kinds of the CPU optimizer step (engine._cpu_step)
+OPTIMIZER_KINDS = ("grad_to_master_dtype", "cpu_adam", "new_compute_copy")
 LOSS_CHUNK = {"tokens": 0}  # --loss_chunk_tokens: every row computes its loss the same way
 
 
@@ -233,7 +235,9 @@ def run_engine(cfg, prof, dt, cap_gib, seq, step_sequences, steps, model_dtype):
         eng.reset_host_seconds()
         s = timed(step, 0, steps)
         eng.synchronize()
-        host_s = {k: v / steps for k, v in eng.reset_host_seconds().items()}
+        # the counters saw steps + 1 optimizer updates (the warm-up's ran after the reset) and
+        # `steps` backwards and forwards
+        host_s = {k: v / (steps + 1 if k in OPTIMIZER_KINDS else steps) for k, v in eng.reset_host_seconds().items()}
     except BaseException:
         eng.close()  # the hooks off the model: the next section starts with this memory free
         raise
@@ -251,7 +255,7 @@ def run_engine(cfg, prof, dt, cap_gib, seq, step_sequences, steps, model_dtype):
            "grad_norms": losses, "block_calibration": cal, "memory": mem,
            # host time per step by kind (the CPU worker's and the training thread's waits), next to
            # the cost model's CPU time per step (optimizer, conversions, host norm; accumulation apart)
-           "host_seconds_per_step": host_s, "predicted_cpu_opt_s": pr.get("cpu_opt_s"),
+           "host_seconds_per_step": host_s, "optimizer_updates_timed": steps + 1, "predicted_cpu_opt_s": pr.get("cpu_opt_s"),
            "predicted_memory": {k: pr.get(k) for k in ("static_gpu_bytes", "activation_bytes", "transient_bytes")},
            "refit_fudge_over_block": s / pr["step_s"], "plan": {"layer_modes": plan.layer_modes, "layer_acts": plan.layer_acts,
                                           "outer": plan.outer_mode, "depth": plan.prefetch_depth,

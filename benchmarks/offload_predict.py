@@ -54,6 +54,7 @@ def replay(result: str) -> list[dict]:
     with open(result) as f:
         res = json.load(f)
     prof = HardwareProfile(**res["profile"])
+    res_command = res.get("command", "")
     chunk = res.get("loss_chunk_tokens", 0)
     rows = []
     print(f"replay of {result} ({prof.device_name}); current cost model, that run's profile and block factor")
@@ -85,6 +86,11 @@ def replay(result: str) -> list[dict]:
                "predicted_now_s": now, "error_now": now / r["step_s"] - 1}
         # the calibration's first refit: the CPU AdamW rate the engine measured in the run
         adam_s = (r.get("host_seconds_per_step") or {}).get("cpu_adam")
+        if adam_s and "optimizer_updates_timed" not in r:
+            # results before 2026-11-23 divided the seconds of steps + 1 AdamW updates (the
+            # warm-up's ran inside the window) by the timed steps
+            steps = int((re.search(r"--steps (\d+)", res_command) or [0, 3])[1])
+            adam_s *= steps / (steps + 1)
         if adam_s:
             scale = cpu_adam_scale(plan, costs, prof, adam_s)
             row.update(cpu_adam_scale=scale, refit_cpu_s=predict_again(plan, costs, with_cpu_adam_scale(prof, scale),
