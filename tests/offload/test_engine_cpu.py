@@ -377,3 +377,17 @@ def test_bf16_grads_convert_into_one_reused_master_buffer():
     assert eng._grad_scratch is scratch
     seconds = eng.reset_host_seconds()
     assert {"cpu_adam", "grad_to_master_dtype", "new_compute_copy"} <= set(seconds) and eng.host_seconds == {}
+
+
+def test_engine_shortens_the_gil_switch_interval_while_it_lives():
+    """The CPU worker's chunked host ops wait for the GIL after each dispatch: the engine keeps the
+    interpreter's switch interval at SWITCH_INTERVAL_S at most and gives the old one back at close."""
+    import sys
+
+    from flame.offload.runtime.engine import SWITCH_INTERVAL_S
+
+    before = sys.getswitchinterval()
+    eng = OffloadEngine(tiny(), plan(["stream", "gpu", "host_opt", "gpu"], ["keep"] * 4, "host_opt"), torch.device("cpu"))
+    assert sys.getswitchinterval() <= SWITCH_INTERVAL_S + 1e-9
+    eng.close()
+    assert sys.getswitchinterval() == pytest.approx(before)

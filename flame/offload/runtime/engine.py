@@ -31,6 +31,7 @@ step before the norm, and every rank steps the same copy on the GPU.
 from __future__ import annotations
 
 import math
+import sys
 import threading
 import time
 import weakref
@@ -53,6 +54,7 @@ from flame.offload.solver import Plan
 
 TOO_MANY_ROUNDS = ("offload: the plan has {} micro-batch(es) per step but the trainer ran more; "
                    "plan with the trainer's training.gradient_accumulation_steps")
+SWITCH_INTERVAL_S = 5e-4
 CONV_CHUNK = 1 << 25  # elements per GPU conversion chunk (128 MiB in fp32)
 DT = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -98,6 +100,13 @@ class OffloadEngine(EngineStateDict):
         self.use_counter = 0
         self.pinned_ptrs: list[int] = []
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-cpu")
+        # The CPU worker dispatches a few torch ops per host chunk (HostMath) and needs the GIL
+        # back after each; the training thread runs Python meanwhile (hooks, the recomputed
+        # forward) and keeps the GIL up to the switch interval each time (5 ms by default): 24x
+        # slower adds in a 2-core reproduction, see benchmarks/notes/offload-findings.md O5.
+        # A 0.5 ms interval while the engine lives, restored at close().
+        self._switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(self._switch_interval, SWITCH_INTERVAL_S))
         self.host_math = HostMath()  # chunked adds and norms of host grads (the one pool worker only)
         self._grad_scratch = None  # master-dtype grads of the unit the CPU AdamW steps (one worker: one buffer)
         # seconds spent per kind of host work since the last reset_host_seconds() (calibration:
@@ -735,6 +744,7 @@ class OffloadEngine(EngineStateDict):
         model back to the engine is left: dropping both frees every buffer)."""
         self.synchronize()
         self.pool.shutdown(wait=True)
+        sys.setswitchinterval(self._switch_interval)
         unregister_pinned(self.pinned_ptrs)
         self.pinned_ptrs = []
         self._remove_hooks()
