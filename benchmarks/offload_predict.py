@@ -33,7 +33,7 @@ from flame.offload import optimizer_threads  # noqa: E402
 from flame.offload.calibration import cpu_adam_scale, predict_again, with_cpu_adam_scale  # noqa: E402
 from flame.offload.cost_model import Dtypes  # noqa: E402
 from flame.offload.costs import model_costs  # noqa: E402
-from flame.offload.profile import HardwareProfile  # noqa: E402
+from flame.offload.profile import from_dict  # noqa: E402
 from flame.offload.solver import Plan, solve_micro_batches  # noqa: E402
 
 GiB = 1024**3
@@ -53,7 +53,7 @@ ROW_OF["m_8B_bf16_24GiB"] = ROW_OF["b_8B_bf16_24GiB"]  # row b on every GPU of t
 def replay(result: str) -> list[dict]:
     with open(result) as f:
         res = json.load(f)
-    prof = HardwareProfile(**res["profile"])
+    prof = from_dict(res["profile"])
     res_command = res.get("command", "")
     chunk = res.get("loss_chunk_tokens", 0)
     rows = []
@@ -120,7 +120,7 @@ def main():
                            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rows": rows}, f, indent=1)
         return
     with open(args.result) as f:
-        prof = HardwareProfile(**json.load(f)["profile"])
+        prof = from_dict(json.load(f)["profile"])
     host = prof.host_total_bytes - 16 * GiB  # as benchmarks/offload.py
     threads = optimizer_threads(prof.cpu_cores, 1)
     chunks = [int(c) for c in args.chunks.split(",")]

@@ -279,8 +279,7 @@ def predict(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, layer_modes, l
     scale = micro_batch / costs.micro_batch
     layers, outer = costs.layers, costs.outer
     c = dt.c
-    # the fused CPU AdamW's rate for the master dtype (its moments take that dtype), measured while
-    # H2D copies run: in the steady state it overlaps the next forward's weight streaming
+    # the fused CPU AdamW's rate for the master dtype (its moments take that dtype)
     cpu_rate = prof.cpu_adam_rate(cpu_threads, node_ranks, dt.master)
     h2d = prof.h2d_gbps * 1e9
     share = prof.duplex_gbps * 1e9

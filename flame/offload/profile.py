@@ -51,10 +51,6 @@ class HardwareProfile:
     cpu_adam_bf16_gparams: dict[str, float] = field(default_factory=dict)
     """Fused CPU AdamW rate with bf16 params, grads and moments (half the bytes of fp32), per
     thread count; empty in profiles stored before it was measured (the fp32 rate is used then)."""
-    cpu_adam_under_h2d: dict[str, float] = field(default_factory=dict)
-    """Per state dtype ('float32', 'bfloat16'): the CPU AdamW rate while pinned H2D copies run,
-    over its rate on an idle host (at the most threads measured). The engine's AdamW overlaps the
-    next forward's weight streaming, which reads the same host memory; empty: 1.0."""
 
     def gemm_rate(self, shape: str | None = None) -> float:
         """FLOP/s for a GEMM shape (falls back to the mean of measured shapes)."""
@@ -62,16 +58,13 @@ class HardwareProfile:
         return 1e12 * (t if t else self.gemm_tflops["default"])
 
     def cpu_adam_rate(self, threads: int, node_ranks: int = 1, dtype: str = "float32") -> float:
-        """params/s of one process's CPU optimizer with `threads` threads and states in `dtype`,
-        while the weights stream to the GPU and `node_ranks` processes run theirs at once on the
-        machine: they share its memory bandwidth, so each gets at most 1/node_ranks of the rate of
-        all their threads together."""
+        """params/s of one process's CPU optimizer with `threads` threads and states in `dtype`
+        while `node_ranks` processes run theirs at once on the machine: they share its memory
+        bandwidth, so each gets at most 1/node_ranks of the rate of all their threads together."""
         table = self.cpu_adam_bf16_gparams if dtype == "bfloat16" and self.cpu_adam_bf16_gparams \
             else self.cpu_adam_gparams
-        load = self.cpu_adam_under_h2d.get(dtype if table is not self.cpu_adam_gparams else "float32", 1.0)
         one = self._adam_rate_at(table, threads)
-        rate = min(one, self._adam_rate_at(table, threads * node_ranks) / node_ranks) if node_ranks > 1 else one
-        return rate * load
+        return min(one, self._adam_rate_at(table, threads * node_ranks) / node_ranks) if node_ranks > 1 else one
 
     @staticmethod
     def _adam_rate_at(table: dict[str, float], threads: int) -> float:
@@ -92,13 +85,25 @@ def save(p: HardwareProfile, path: str) -> None:
         json.dump(asdict(p), f, indent=1, sort_keys=True)
 
 
+# fields of profiles stored by earlier versions, no longer used: dropped when read
+RETIRED_FIELDS = (
+    # CPU AdamW rate next to pinned H2D copies over the idle rate, stored 2026-11-23 only: it
+    # scattered 0.99-1.27 between runs of one machine while the engine's measured AdamW matched
+    # the idle rate within 3% (benchmarks/notes/offload-findings.md O4)
+    "cpu_adam_under_h2d",
+)
+
+
+def from_dict(d: dict) -> HardwareProfile:
+    return HardwareProfile(**{k: v for k, v in d.items() if k not in RETIRED_FIELDS})
+
+
 def load(path: str) -> HardwareProfile:
     if not os.path.isfile(path):
         raise ConfigError(f"offload.profile={path!r}: file not found")
     try:
         with open(path) as f:
-            d = json.load(f)
-        return HardwareProfile(**d)
+            return from_dict(json.load(f))
     except (ValueError, TypeError) as e:
         raise ConfigError(f"offload.profile={path!r}: not a hardware profile ({e})") from None
 
@@ -162,26 +167,6 @@ def measure_cpu_adam(threads_list=None, numel: int = 1 << 27, dtype=torch.float3
     return {str(t): run(t, steps) for t in threads_list}
 
 
-def measure_cpu_adam_under_h2d(host: torch.Tensor, dev: torch.Tensor, dtype, copies: int = 32) -> float:
-    """CPU AdamW rate (most threads) while pinned `host` -> `dev` copies run on a side stream,
-    over its rate right before on the idle host (one number per dtype; see HardwareProfile)."""
-    threads = len(os.sched_getaffinity(0))
-    run = _adam_bench(1 << 25, dtype)
-    idle = run(threads, 12)
-    side = torch.cuda.Stream(dev.device)
-    done = torch.cuda.Event()
-    with torch.cuda.stream(side):
-        for _ in range(copies):  # ~0.6 s of DMA: longer than the timed AdamW steps below
-            dev.copy_(host, non_blocking=True)
-        done.record(side)
-    loaded = run(threads, 12)
-    still_copying = not done.query()
-    done.synchronize()
-    if not still_copying:  # the copies ended before the AdamW did: the ratio would be diluted
-        raise RuntimeError("profile: the H2D copies ended before the CPU AdamW timing; raise `copies`")
-    return loaded / idle
-
-
 def measure(gemm_shapes: list[tuple[int, int, int]] | None = None, device: str = "cuda") -> HardwareProfile:
     """Measure every rate of the profile on the current CUDA device (~10-25 s)."""
     if not torch.cuda.is_available():
@@ -236,7 +221,6 @@ def measure(gemm_shapes: list[tuple[int, int, int]] | None = None, device: str =
     for _ in range(3):
         h2.copy_(h1)
     memcpy = 3 * nbytes / (time.perf_counter() - t0) / 1e9
-    under_h2d = {str(d).removeprefix("torch."): measure_cpu_adam_under_h2d(h1, g1, d) for d in (torch.float32, bf)}
     del g1, g2, h1, h2, pg
 
     p = torch.nn.Parameter(torch.zeros(1 << 26, device=dev))
@@ -264,7 +248,6 @@ def measure(gemm_shapes: list[tuple[int, int, int]] | None = None, device: str =
         gpu_adam_gparams=gpu_adam,
         pin_s_per_gib=pin_s,
         cpu_adam_bf16_gparams=measure_cpu_adam(dtype=bf),
-        cpu_adam_under_h2d=under_h2d,
     )
 
 

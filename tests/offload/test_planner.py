@@ -126,15 +126,12 @@ def test_cpu_adam_rate_between_measured_thread_counts_and_shared_by_ranks():
     assert per_rank == sorted(per_rank, reverse=True)  # more ranks sharing: never faster per rank
 
 
-def test_cpu_adam_rate_of_the_states_dtype_under_h2d_load():
-    p = prof(cpu_adam_gparams={"1": 0.5, "16": 4.0}, cpu_adam_bf16_gparams={"1": 0.8, "16": 6.0},
-             cpu_adam_under_h2d={"float32": 0.5, "bfloat16": 0.75})
-    assert p.cpu_adam_rate(16) == pytest.approx(4.0e9 * 0.5)
-    assert p.cpu_adam_rate(16, dtype="bfloat16") == pytest.approx(6.0e9 * 0.75)
-    assert p.cpu_adam_rate(8, node_ranks=2, dtype="bfloat16") == pytest.approx(6.0e9 / 2 * 0.75)
-    # a profile stored before the bf16 rate was measured: the fp32 rate (and its load factor)
-    old = prof(cpu_adam_gparams={"1": 0.5, "16": 4.0}, cpu_adam_under_h2d={"float32": 0.5})
-    assert old.cpu_adam_rate(16, dtype="bfloat16") == pytest.approx(2.0e9)
+def test_cpu_adam_rate_of_the_states_dtype():
+    p = prof(cpu_adam_gparams={"1": 0.5, "16": 4.0}, cpu_adam_bf16_gparams={"1": 0.8, "16": 6.0})
+    assert p.cpu_adam_rate(16) == pytest.approx(4.0e9)
+    assert p.cpu_adam_rate(16, dtype="bfloat16") == pytest.approx(6.0e9)
+    assert p.cpu_adam_rate(8, node_ranks=2, dtype="bfloat16") == pytest.approx(6.0e9 / 2)
+    # a profile stored before the bf16 rate was measured: the fp32 rate
     assert prof(cpu_adam_gparams={"16": 4.0}).cpu_adam_rate(16, dtype="bfloat16") == pytest.approx(4.0e9)
     # the cost model takes the master dtype's rate: bf16 states make the CPU part 1.5x faster here
     lay = UnitCosts("l", "layer", 10**9, {}, 1e12, 0.0, 0, 0, 0)
@@ -143,20 +140,26 @@ def test_cpu_adam_rate_of_the_states_dtype_under_h2d_load():
     f32_cpu = predict(c, p, Dtypes(), ["stream"], ["keep"], "gpu", 1, 1, 1, 16).cpu_s
     bf_cpu = predict(c, p, bf, ["stream"], ["keep"], "gpu", 1, 1, 1, 16).cpu_s
     # AdamW + the new bf16 compute copy of the fp32 master (read 4, write 2 bytes/param)
-    assert f32_cpu == pytest.approx(10**9 / 2.0e9 + 10**9 * (4 + 2) / 10e9)
-    assert bf_cpu == pytest.approx(10**9 / 4.5e9)
+    assert f32_cpu == pytest.approx(10**9 / 4.0e9 + 10**9 * (4 + 2) / 10e9)
+    assert bf_cpu == pytest.approx(10**9 / 6.0e9)
 
 
-def test_stored_profile_without_the_newer_rates_loads(tmp_path):
+def test_stored_profiles_of_other_versions_load(tmp_path):
+    """Without the bf16 rate (before 2026-11-23): the fp32 rate for bf16 states. With the retired
+    H2D load factor: dropped. Any other unknown field: the one-line profile error."""
     import json
 
     d = dataclasses.asdict(prof())
-    for k in ("cpu_adam_bf16_gparams", "cpu_adam_under_h2d"):
-        d.pop(k)
+    d.pop("cpu_adam_bf16_gparams")
     path = tmp_path / "old.json"
     path.write_text(json.dumps(d))
     p = load(str(path))
     assert p.cpu_adam_bf16_gparams == {} and p.cpu_adam_rate(15, dtype="bfloat16") == pytest.approx(4.0e9)
+    path.write_text(json.dumps(dict(d, cpu_adam_under_h2d={"float32": 1.2})))
+    assert load(str(path)).cpu_adam_rate(15) == pytest.approx(4.0e9)
+    path.write_text(json.dumps(dict(d, gemm_flops_typo=1.0)))
+    with pytest.raises(ConfigError, match="not a hardware profile"):
+        load(str(path))
 
 
 def test_cpu_adam_measured_per_dtype_on_this_machine():
