@@ -218,11 +218,22 @@ def run_engine(cfg, prof, dt, cap_gib, seq, step_sequences, steps, model_dtype):
     ids = torch.randint(0, cfg.vocab_size, (mb, seq), device="cuda", generator=g)
     losses = []
 
-    def step():
+    def mark(events):
+        if events is not None:
+            events.append(torch.cuda.Event(enable_timing=True))
+            events[-1].record()
+
+    def step(events=None):
+        """One optimizer step; with `events`, CUDA events on the compute stream at each phase's
+        start and end (forward and backward of every round, the optimizer step)."""
         for _ in range(rounds):
+            mark(events)
             l = loss_of(model, ids) / rounds / world  # the ranks' grads sum to the global mean's
+            mark(events)
             l.backward()
+        mark(events)
         n, _ = eng.optimizer_step(1.0, True)
+        mark(events)
         losses.append(float(n))
 
     torch.cuda.reset_peak_memory_stats()
@@ -234,10 +245,16 @@ def run_engine(cfg, prof, dt, cap_gib, seq, step_sequences, steps, model_dtype):
         step()  # warm-up; its CPU AdamW may still run into the window, as the last step's runs past it
         eng.reset_host_seconds()
         s = timed(step, 0, steps)
+        # one more step, in the same steady state, timed phase by phase on the GPU's timeline (the
+        # cost model's phase_s): forward, backward of each round, then the optimizer
+        events = []
+        step(events)
         eng.synchronize()
-        # the counters saw steps + 1 optimizer updates (the warm-up's ran after the reset) and
-        # `steps` backwards and forwards
-        host_s = {k: v / (steps + 1 if k in OPTIMIZER_KINDS else steps) for k, v in eng.reset_host_seconds().items()}
+        phases = [a.elapsed_time(b) / 1e3 for a, b in zip(events, events[1:])]
+        # the counters saw steps + 2 optimizer updates (the warm-up's ran after the reset, and the
+        # phase-timed step's) and steps + 1 forwards and backwards
+        updates = steps + 2
+        host_s = {k: v / (updates if k in OPTIMIZER_KINDS else steps + 1) for k, v in eng.reset_host_seconds().items()}
     except BaseException:
         eng.close()  # the hooks off the model: the next section starts with this memory free
         raise
@@ -255,7 +272,8 @@ def run_engine(cfg, prof, dt, cap_gib, seq, step_sequences, steps, model_dtype):
            "grad_norms": losses, "block_calibration": cal, "memory": mem,
            # host time per step by kind (the CPU worker's and the training thread's waits), next to
            # the cost model's CPU time per step (optimizer, conversions, host norm; accumulation apart)
-           "host_seconds_per_step": host_s, "optimizer_updates_timed": steps + 1, "predicted_cpu_opt_s": pr.get("cpu_opt_s"),
+           "host_seconds_per_step": host_s, "optimizer_updates_timed": updates, "predicted_cpu_opt_s": pr.get("cpu_opt_s"),
+           "measured_phase_s": phases, "predicted_phase_s": pr.get("phase_s"),
            "predicted_memory": {k: pr.get(k) for k in ("static_gpu_bytes", "activation_bytes", "transient_bytes")},
            "refit_fudge_over_block": s / pr["step_s"], "plan": {"layer_modes": plan.layer_modes, "layer_acts": plan.layer_acts,
                                           "outer": plan.outer_mode, "depth": plan.prefetch_depth,

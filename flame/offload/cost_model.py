@@ -190,6 +190,9 @@ class Prediction:
     """Saved for the backward at the end of the forward."""
     transient_bytes: int = 0
     """The largest transient on top (a recomputed block, the loss backward)."""
+    phase_s: list = field(default_factory=list)
+    """Seconds of each phase of the step, in order: forward and backward of every round, then
+    the GPU optimizer and the all-reduce of replicated units (they add up to step_s)."""
 
 
 def _flow(jobs, depth):
@@ -326,7 +329,7 @@ def predict(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, layer_modes, l
     # the GPU (one round) or accumulated there; otherwise compute dtype every round
     wire = [g if rounds == 1 or a else c for a in accs]
     n = len(layers)
-    total = 0.0
+    phases = []
     h2d_bytes = d2h_bytes = 0
     compute = 0.0
     for r in range(rounds):
@@ -337,7 +340,7 @@ def predict(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, layer_modes, l
             h2d_bytes += b
             fw.append((cpu_t[j] if r == 0 else 0.0, b / h2d + (ag_s[j] if need else 0.0), times[j][0], 0.0))
             compute += times[j][0]
-        total += _flow(fw, depth)
+        phases.append(_flow(fw, depth))
         bw = []
         for k in range(n, -1, -1):  # layers n-1..0 then outer (index 0)
             m = modes[k]
@@ -351,14 +354,16 @@ def predict(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, layer_modes, l
             ct = times[k][1] + (times[k][0] if acts[k] == "recompute" else 0.0) + add_t[k]
             compute += ct
             bw.append((0.0, b / h2d_bwd + (ag_s[k] if refetch else 0.0), ct + rs_s[k], d / d2h_bwd, acc_s(k, r)))
-        total += _flow(bw, depth)
+        phases.append(_flow(bw, depth))
     gpu_params = sum(u.numel for u, m in zip(units, modes) if m == "gpu")
-    total += gpu_params / (prof.gpu_adam_gparams * 1e9)
-    # replicated "gpu" units: one all-reduce (reduce-scatter + all-gather) of their grads a step
-    total += collective_s(gpu_params * g, world, prof.reducescatter_gbps) + collective_s(gpu_params * g, world, prof.allgather_gbps)
+    # the GPU AdamW, then for replicated "gpu" units one all-reduce (reduce-scatter + all-gather)
+    # of their grads a step
+    phases.append(gpu_params / (prof.gpu_adam_gparams * 1e9) + collective_s(gpu_params * g, world, prof.reducescatter_gbps)
+                  + collective_s(gpu_params * g, world, prof.allgather_gbps))
+    total = sum(phases)
 
     m = predict_memory(costs, dt, layer_modes, layer_acts, outer_mode, depth, micro_batch, rounds, layer_accs,
                        outer_acc, world)
     useful = rounds * sum(scale * (u.fwd_gemm_flops + u.bwd_gemm_flops + u.fwd_attn_flops + u.bwd_attn_flops) for u in units)
     return Prediction(total, m.gpu_bytes, m.host_bytes, m.pinned_bytes, compute, h2d_bytes, d2h_bytes, sum(cpu_t),
-                      useful, m.static_gpu, m.activation_bytes, m.transient_bytes)
+                      useful, m.static_gpu, m.activation_bytes, m.transient_bytes, phases)

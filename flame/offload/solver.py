@@ -255,7 +255,8 @@ def _pred_dict(p: Prediction, costs: ModelCosts, micro_batch: int, rounds: int, 
             "useful_tflops": p.useful_flops / p.step_s / 1e12,
             "peak_gpu_bytes": p.gpu_bytes, "peak_host_bytes": p.host_bytes, "pinned_bytes": p.pinned_bytes,
             "compute_s": p.compute_s, "h2d_bytes": p.h2d_bytes, "d2h_bytes": p.d2h_bytes, "cpu_opt_s": p.cpu_s,
-            "static_gpu_bytes": p.static_gpu, "activation_bytes": p.activation_bytes, "transient_bytes": p.transient_bytes}
+            "static_gpu_bytes": p.static_gpu, "activation_bytes": p.activation_bytes, "transient_bytes": p.transient_bytes,
+            "phase_s": p.phase_s}
 
 
 def _binding(plan: Plan, prof: HardwareProfile) -> str:

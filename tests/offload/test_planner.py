@@ -108,6 +108,8 @@ def test_predict_by_hand():
     d2h = 4e9 / (70e9 * 0.5)  # fp32 grads
     # the only layer stays in its slot for the backward: no refetch
     assert pr.step_s == pytest.approx(cpu + h2d + fwd + bwd + d2h)
+    # the phases: forward, backward (one round), GPU optimizer (no GPU units here)
+    assert pr.phase_s == pytest.approx([cpu + h2d + fwd, bwd + d2h, 0.0])
     assert pr.h2d_bytes == 2e9 and pr.d2h_bytes == 4e9
 
 
