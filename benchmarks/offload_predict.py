@@ -81,9 +81,13 @@ def replay(result: str) -> list[dict]:
                     dataclasses.asdict(dt), 0, 0, world=world, node_ranks=world, layer_gpu_acc=pl.get("layer_gpu_acc") or [],
                     outer_gpu_acc=pl.get("outer_gpu_acc", False))
         fudge = r["block_calibration"]["fudge"]
-        now = predict_again(plan, costs, prof, fudge).step_s
+        pred_now = predict_again(plan, costs, prof, fudge)
+        now = pred_now.step_s
         row = {"run": name, "world": world, "measured_step_s": r["step_s"], "predicted_then_s": r["predicted_step_s"],
                "predicted_now_s": now, "error_now": now / r["step_s"] - 1}
+        if r.get("measured_phase_s"):  # one step timed phase by phase (benchmarks/offload.py)
+            row.update(measured_phase_s=r["measured_phase_s"], predicted_phase_s_then=r.get("predicted_phase_s"),
+                       predicted_phase_s_now=pred_now.phase_s)
         # the calibration's first refit: the CPU AdamW rate the engine measured in the run
         adam_s = (r.get("host_seconds_per_step") or {}).get("cpu_adam")
         if adam_s and "optimizer_updates_timed" not in r:
@@ -101,6 +105,10 @@ def replay(result: str) -> list[dict]:
                      if adam_s else "- | -")
         print(f"| {name} | {world} | {r['step_s']:.3f} | {r['predicted_step_s']:.3f} | {now:.3f} | "
               f"{100 * row['error_now']:+.1f}% | {refit_txt} |", flush=True)
+        if "measured_phase_s" in row:
+            print(f"|   phases s (fwd, bwd per round; optimizer) | | measured "
+                  f"{' '.join(f'{x:.3f}' for x in row['measured_phase_s'])} | predicted now "
+                  f"{' '.join(f'{x:.3f}' for x in row['predicted_phase_s_now'])} | | | |")
     return rows
 
 

@@ -221,8 +221,9 @@ def unit_times(u: UnitCosts, prof: HardwareProfile, scale: float, fudge: float =
     """(forward, backward) seconds of a unit at `scale` x the measured micro-batch."""
     g = prof.gemm_rate()
     a = 1e12 * prof.attn_tflops
-    fwd = scale * (u.fwd_gemm_flops / g + u.fwd_attn_flops / a) * fudge
-    bwd = scale * (u.bwd_gemm_flops / g + u.bwd_attn_flops / a) * fudge
+    moved = u.bwd_in_fwd_gemm_flops
+    fwd = scale * ((u.fwd_gemm_flops + moved) / g + u.fwd_attn_flops / a) * fudge
+    bwd = scale * ((u.bwd_gemm_flops - moved) / g + u.bwd_attn_flops / a) * fudge
     return fwd, bwd
 
 

@@ -42,6 +42,9 @@ class UnitCosts:
     """Bytes kept when the block is fully recomputed (its tensor inputs)."""
     max_saved_bytes: int
     """Largest single saved tensor (bounds the backward's transient gradient buffers)."""
+    bwd_in_fwd_gemm_flops: float = 0.0
+    """Of bwd_gemm_flops, what the forward already runs (the chunked loss's head dX and dW):
+    timed in the forward phase, not in the backward."""
 
     @property
     def bwd_gemm_flops(self) -> float:
@@ -238,12 +241,14 @@ def measure_costs(model: nn.Module, micro_batch: int, seq_len: int, loss: bool =
         numel += p.numel()
     act = sum(rec.saved.get("outer", {}).values())
     outer_flops = total - layer_flops
+    head_bwd = 0.0
     if head is not None:
-        # the chunked loss runs the head's two backward matmuls inside its forward; charge them to
-        # the backward as for a plain head (the cost model takes backward = 2 x forward)
-        outer_flops -= 2 * 2.0 * micro_batch * seq_len * head.weight.numel()
+        # the chunked loss runs the head's two backward matmuls inside its forward: counted as
+        # backward FLOPs (backward = 2 x forward), timed in the forward
+        head_bwd = 2 * 2.0 * micro_batch * seq_len * head.weight.numel()
+        outer_flops -= head_bwd
     units.append(UnitCosts("outer", "outer", numel, roles, outer_flops, rec.attn.get("outer", 0.0), act, act,
-                           rec.max_saved.get("outer", 0)))
+                           rec.max_saved.get("outer", 0), head_bwd))
     extra = {}
     if head is not None:
         # inside the chunked forward, on top of the float32 weight-grad accumulator: per chunk its

@@ -310,9 +310,17 @@ def test_chunked_loss_costs_by_hand(costs):
     assert chunked.outer.act_keep_bytes <= costs.outer.act_keep_bytes - t * v * 4 + t * d * 2 + v * d * 2
     assert chunked.extra["loss_chunk_transient_bytes"] == v * d * 4 + 512 * v * (4 + 4 + 2)
     assert [u.fwd_gemm_flops for u in chunked.units] == pytest.approx([u.fwd_gemm_flops for u in costs.units])
+    # the head's dX and dW run inside the chunked forward: timed there, the same total and useful FLOPs
+    from flame.offload.cost_model import unit_times
+
+    assert chunked.outer.bwd_in_fwd_gemm_flops == pytest.approx(2 * 2.0 * t * v * d)
+    assert costs.outer.bwd_in_fwd_gemm_flops == 0.0
+    (fc, bc), (fp, bp) = unit_times(chunked.outer, prof(), 1.0), unit_times(costs.outer, prof(), 1.0)
+    assert fc - fp == pytest.approx(2 * 2.0 * t * v * d / prof().gemm_rate()) and fc + bc == pytest.approx(fp + bp)
     n = len(costs.layers)
     args = (prof(), Dtypes(), ["stream"] * n, ["recompute"] * n, "host_opt", 2, 2, 1, 15)
     assert predict(chunked, *args).gpu_bytes < predict(costs, *args).gpu_bytes - 2 * t * v * 4 + chunked.extra["loss_chunk_transient_bytes"]
+    assert predict(chunked, *args).useful_flops == pytest.approx(predict(costs, *args).useful_flops)
 
 
 def test_step_calibration_refits_writes_and_reuses_the_plan(tmp_path, monkeypatch, costs):
