@@ -5,7 +5,9 @@
 (b) 8B Llama-shaped model with bf16 states at a 24 GiB cap: useful TFLOP/s vs the measured
     bf16 GEMM ceiling, at 1 x 8192 and at 4 x 8192 tokens per step (row b_..._32k);
 (c) predicted vs measured step time and peak GPU memory of every engine run, with the engine's
-    memory split into static (its own buffers: memory_report) and what a step adds on top.
+    memory split into static (its own buffers: memory_report) and what a step adds on top, the
+    engine's host seconds by kind, and one more step timed phase by phase (forward and backward
+    of each round, the optimizer) next to the cost model's phases.
 (a) runs --a_rounds sequences of 4096 tokens per optimizer step in every row: the resident and
 FSDP2 rows one sequence per pass; the engine rows with the micro-batch the planner picks among the
 divisors (as the trainer does), so every row trains the same tokens per step.

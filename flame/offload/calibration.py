@@ -256,6 +256,8 @@ class _Captured(Exception):
 
 
 def _time_block(m, blk, costs, prof, micro_batch: int, seq_len: int, device: str) -> dict:
+    """Time `blk` (the one block of model `m`) fwd and fwd+bwd at micro_batch x seq_len, on inputs
+    captured from `m`'s own forward, against the FLOP-based prediction of `costs`."""
     import torch
 
     from flame.offload.cost_model import unit_times
