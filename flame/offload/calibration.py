@@ -1,8 +1,9 @@
 """Calibration: compare measured step time and peak memory with the plan's prediction, refit.
 
-Before the run, `measure_block_fudge` times one real block at the run's shapes and scales the
-cost model's compute times (build_plan). During the run, `StepCalibrator` times a few steady
-steps once (steps 3-5 of the launch), logs predicted vs measured step time and peak GPU memory,
+Before the run, `measure_block_fudges` times one real block at the run's shapes, at every
+candidate micro-batch, and scales the cost model's compute times per candidate (build_plan).
+During the run, `StepCalibrator` times a few steady steps once (steps 3-5 of the launch), logs
+predicted vs measured step time and peak GPU memory,
 and, when the step is off by more than 10%, refits and solves again, once: first the CPU AdamW
 rate, from the seconds the engine itself measured for it in the window (the profile's rate is a
 micro-benchmark on an idle host), then the compute scale with what is left of the error (the
