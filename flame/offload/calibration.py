@@ -3,14 +3,14 @@
 Before the run, `measure_block_fudges` times one real block at the run's shapes, at every
 candidate micro-batch, and scales the cost model's compute times per candidate (build_plan).
 During the run, `StepCalibrator` times a few steady steps once (steps 3-5 of the launch), logs
-predicted vs measured step time and peak GPU memory,
-and, when the step is off by more than 10%, refits and solves again, once: first the CPU AdamW
-rate, from the seconds the engine itself measured for it in the window (the profile's rate is a
-micro-benchmark on an idle host), then the compute scale with what is left of the error (the
-approximation: the copies use measured rates, so the rest of the error is put on compute). A changed plan is written next to the checkpoints
-(`offload_plan_calibrated.json`) and used from the next launch of the job on (a resume), when
-it was made for the same dtypes, shapes, ranks and overrides and fits the budgets; the running engine is
-not rebuilt mid-run (that would hold a second copy of the whole optimizer state).
+predicted vs measured step time and peak GPU memory, and, when the step is off by more than 10%,
+refits and solves again, once: first the CPU AdamW rate, from the seconds the engine itself
+measured for it in the window (the profile's rate is a micro-benchmark), then the compute scale
+with what is left of the error (the approximation: the copies use measured rates, so the rest of
+the error is put on compute). A changed plan is written next to the checkpoints
+(`offload_plan_calibrated.json`) and used from the next launch of the job on (a resume), when it
+was made for the same dtypes, shapes, ranks and overrides and fits the budgets; the running
+engine is not rebuilt mid-run (that would hold a second copy of the whole optimizer state).
 """
 
 from __future__ import annotations
