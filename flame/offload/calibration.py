@@ -92,7 +92,6 @@ def refit(plan: Plan, costs, prof, measured_step_s: float, overrides=None,
     new = solve(costs, prof, dt, plan.gpu_budget_bytes, plan.host_budget_bytes, plan.micro_batch, plan.rounds,
                 plan.cpu_threads, depths, overrides=overrides, fudge=fudge, world=plan.world,
                 node_ranks=plan.node_ranks)
-    new.predicted["compute_fudge"] = fudge
     return fudge, new
 
 

@@ -193,6 +193,7 @@ def solve(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, gpu_budget: int,
         raise ConfigError(f"offload: needs {min_host / GiB:.1f} GiB host, budget {host_budget / GiB:.1f}")
     plan = best[1]
     plan.binding = _binding(plan, prof)
+    plan.predicted["compute_fudge"] = fudge  # what the calibration refits from
     return plan
 
 
@@ -216,7 +217,6 @@ def solve_micro_batches(costs_of: dict[int, ModelCosts], step_sequences: int, pr
             kw["fudge"] = fudges[mb]
         try:
             plan = solve(costs_of[mb], prof, dt, gpu_budget, host_budget, mb, step_sequences // mb, cpu_threads, **kw)
-            plan.predicted["compute_fudge"] = kw.get("fudge", 1.0)
         except ConfigError as e:
             missing = e  # the last is the smallest micro-batch's: the closest to fitting
             continue
