@@ -46,8 +46,7 @@ def compare(plan: Plan, measured_step_s: float, measured_peak_bytes: int | None)
 def cpu_adam_scale(plan: Plan, costs, prof, cpu_adam_s: float) -> float:
     """Measured over profiled CPU AdamW rate: the seconds the plan's host units should take at the
     profile's rate over the seconds the engine measured for them (its host_seconds["cpu_adam"]
-    per step). In the engine AdamW runs unit by unit while DMA and the grad accumulation use the
-    same memory bandwidth, which the micro-benchmark of the profile does not see."""
+    per step). The profile's rate is a micro-benchmark; the engine's timing is what its steps saw."""
     units = [costs.outer] + list(costs.layers)
     modes = [plan.outer_mode] + list(plan.layer_modes)
     params = sum(shard_numel(u.numel, plan.world) for u, m in zip(units, modes) if m != "gpu")
@@ -212,17 +211,13 @@ def _time(fn, iters: int = 3) -> float:
     return (time.perf_counter() - t0) / iters
 
 
-def measure_block_fudge(config, costs, prof, micro_batch: int, seq_len: int, dtype, device: str = "cuda") -> dict:
-    """Time one real block (fwd, fwd+bwd) on the GPU at the run's shapes and compare with the
-    FLOP-based prediction; returns {"fudge": measured / predicted, ...} for `solve(fudge=...)`."""
-    return measure_block_fudges(config, {micro_batch: costs}, prof, seq_len, dtype, device)[micro_batch]
-
-
 def measure_block_fudges(config, costs_of: dict, prof, seq_len: int, dtype, device: str = "cuda") -> dict[int, dict]:
-    """measure_block_fudge for every candidate micro-batch of `costs_of` (one block built once):
-    GEMMs of 4k rows run well below the rate of 32k rows, so one micro-batch's scale misjudges
-    another's. A micro-batch whose one block (fwd+bwd) runs out of GPU memory fits no plan and is
-    left out of the result (so are the larger ones)."""
+    """Time one real block (fwd, fwd+bwd) at the run's shapes for every candidate micro-batch of
+    `costs_of` (the block built once) and compare with the FLOP-based prediction: per micro-batch
+    {"fudge": measured / predicted, ...} for `solve(fudge=...)`. GEMMs of 4k rows run well below
+    the rate of 32k rows, so one micro-batch's scale misjudges another's. A micro-batch whose one
+    block (fwd+bwd) runs out of GPU memory fits no plan and is left out of the result (so are the
+    larger ones)."""
     import copy
 
     import torch

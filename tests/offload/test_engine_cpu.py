@@ -158,17 +158,15 @@ def test_nan_grad_skips_step():
 
 
 def test_block_calibration_runs_repeatedly_on_cpu():
-    from flame.offload.calibration import measure_block_fudge
+    from flame.offload.calibration import measure_block_fudges
     from flame.offload.costs import measure_costs
     from test_planner import prof
 
     m = tiny()
     costs = measure_costs(m, 2, 16)
-    cal = measure_block_fudge(m.config, costs, prof(), 2, 16, torch.float32, device="cpu")
+    cal = measure_block_fudges(m.config, {2: costs}, prof(), 16, torch.float32, device="cpu")[2]
     assert cal["fudge"] > 0 and cal["measured_fwd_bwd_s"] > 0
     # every candidate micro-batch timed with the one block; the prediction scales with the tokens
-    from flame.offload.calibration import measure_block_fudges
-
     cals = measure_block_fudges(m.config, {1: measure_costs(m, 1, 16), 2: costs}, prof(), 16, torch.float32, "cpu")
     assert set(cals) == {1, 2}
     assert cals[2]["predicted_fwd_bwd_s"] == pytest.approx(2 * cals[1]["predicted_fwd_bwd_s"], rel=0.05)
