@@ -10,7 +10,6 @@ Usage: python benchmarks/offload_blocks.py RESULT.json OUT.json [--row b_8B_bf16
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -22,11 +21,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import offload as bench  # noqa: E402  (benchmarks/offload.py: model shapes and the loss)
-from offload_predict import ROW_OF  # noqa: E402
+from offload_predict import ROW_OF, plan_of_row  # noqa: E402
 
 from flame.offload import optimizer_threads  # noqa: E402
 from flame.offload.runtime.engine import OffloadEngine  # noqa: E402
-from flame.offload.solver import Plan  # noqa: E402
 
 
 def main():
@@ -42,10 +40,7 @@ def main():
     pl = res[args.row]["plan"]
     size, dt, seq = ROW_OF[args.row]
     mb, rounds = pl["micro_batch"], pl["rounds"]
-    threads = optimizer_threads(len(os.sched_getaffinity(0)), 1)
-    plan = Plan(pl["layer_modes"], pl["layer_acts"], pl["outer"], pl["depth"], mb, seq, rounds, threads,
-                dataclasses.asdict(dt), 0, 0, layer_gpu_acc=pl.get("layer_gpu_acc") or [],
-                outer_gpu_acc=pl.get("outer_gpu_acc", False))
+    plan = plan_of_row(pl, dt, seq, mb, rounds, optimizer_threads(len(os.sched_getaffinity(0)), 1))
     bench.LOSS_CHUNK["tokens"] = res.get("loss_chunk_tokens", 0)
     cfg = bench.llama(size)
     torch.manual_seed(0)

@@ -50,6 +50,13 @@ ROW_OF = {name: (size, dt, seq) for name, size, dt, _, seq, _ in ROWS}
 ROW_OF["m_8B_bf16_24GiB"] = ROW_OF["b_8B_bf16_24GiB"]  # row b on every GPU of the machine
 
 
+def plan_of_row(pl: dict, dt: Dtypes, seq: int, micro_batch: int, rounds: int, threads: int, world: int = 1) -> Plan:
+    """The Plan a benchmarks/offload.py row ran, from the decisions its JSON stored (budgets 0)."""
+    return Plan(pl["layer_modes"], pl["layer_acts"], pl["outer"], pl["depth"], micro_batch, seq, rounds, threads,
+                dataclasses.asdict(dt), 0, 0, world=world, node_ranks=world, layer_gpu_acc=pl.get("layer_gpu_acc") or [],
+                outer_gpu_acc=pl.get("outer_gpu_acc", False))
+
+
 def replay(result: str) -> list[dict]:
     with open(result) as f:
         res = json.load(f)
@@ -77,9 +84,7 @@ def replay(result: str) -> list[dict]:
         world = r.get("world", 1)
         costs = model_costs(llama(size), getattr(torch, dt.compute), [mb], seq, loss_chunk_tokens=chunk)[mb]
         threads = optimizer_threads(prof.cpu_cores, world)  # as benchmarks/offload.py
-        plan = Plan(pl["layer_modes"], pl["layer_acts"], pl["outer"], pl["depth"], mb, seq, rounds, threads,
-                    dataclasses.asdict(dt), 0, 0, world=world, node_ranks=world, layer_gpu_acc=pl.get("layer_gpu_acc") or [],
-                    outer_gpu_acc=pl.get("outer_gpu_acc", False))
+        plan = plan_of_row(pl, dt, seq, mb, rounds, threads, world)
         fudge = r["block_calibration"]["fudge"]
         pred_now = predict_again(plan, costs, prof, fudge)
         now = pred_now.step_s
