@@ -22,23 +22,20 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from flame.offload.profile import measure_cpu_adam  # noqa: E402
+from flame.offload.profile import adam_bench, measure_cpu_adam  # noqa: E402
 from flame.offload.runtime.streams import register_pinned, unregister_pinned  # noqa: E402
 
 
-def adam_case(numel: int, dtype, random: bool, steps: int = 3):
-    p = torch.nn.Parameter(torch.randn(numel, dtype=dtype) * 0.02 if random else torch.zeros(numel, dtype=dtype))
-    p.grad = torch.randn(numel, dtype=dtype) * 1e-4 if random else torch.full((numel,), 1e-3, dtype=dtype)
+def old_profile_rate(dtype, threads: int, numel: int = 1 << 26, steps: int = 3) -> float:
+    """The profile's AdamW timing before 2026-11-23: zero parameters, constant grads, no grad_scale."""
+    p = torch.nn.Parameter(torch.zeros(numel, dtype=dtype))
+    p.grad = torch.full((numel,), 1e-3, dtype=dtype)
     opt = torch.optim.AdamW([p], lr=1e-4, fused=True)
-    opt.step()  # the moments are allocated (and first touched) here, as in the engine's first step
-
-    def run() -> float:
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            opt.step()
-        return numel * steps / (time.perf_counter() - t0) / 1e9
-
-    return p, opt, run
+    opt.step()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        opt.step()
+    return numel * steps / (time.perf_counter() - t0) / 1e9
 
 
 def main():
@@ -51,20 +48,27 @@ def main():
     cuda = torch.cuda.is_available()
     pool = ThreadPoolExecutor(max_workers=1)
 
-    def in_worker(fn):
+    def submit(fn):
         def job():
             torch.set_num_threads(threads)  # as engine._cpu_step: the worker's own OpenMP pool
             return fn()
-        return pool.submit(job).result()
+        return pool.submit(job)
+
+    def in_worker(fn):
+        return submit(fn).result()
 
     rows = []
     for dtype in (torch.float32, torch.bfloat16):
         name = str(dtype).removeprefix("torch.")
-        rows.append((name, "profile (measure_cpu_adam: 64M, grad_scale set, main thread)",
+        rows.append((name, "profile (measure_cpu_adam: 128M random, grad_scale set, main thread)",
                      measure_cpu_adam([threads], dtype=dtype)[str(threads)]))
-        _, _, small = adam_case(1 << 26, dtype, False)
-        rows.append((name, "64M, zeros, no grad_scale, main thread (the profile before 2026-11-23)", small()))
-        p, opt, unit = adam_case(args.unit_numel, dtype, True)
+        rows.append((name, "64M, zeros, no grad_scale, main thread (the profile before 2026-11-23)",
+                     old_profile_rate(dtype, threads)))
+        p, opt, run = adam_bench(args.unit_numel, dtype, grad_scale=False)
+
+        def unit():
+            return run(threads, 3)
+
         rows.append((name, "unit size, random data, main thread", unit()))
         rows.append((name, "unit size, random, worker thread", in_worker(unit)))
         opt.grad_scale = torch.full((), 2.0)  # clipping: the engine's usual case; kept from here on
@@ -75,7 +79,7 @@ def main():
         for interval in (sys.getswitchinterval(), 5e-4):
             old = sys.getswitchinterval()
             sys.setswitchinterval(interval)
-            f = pool.submit(lambda: (torch.set_num_threads(threads), unit())[1])
+            f = submit(unit)
             x = torch.zeros(8)
             while not f.done():
                 for _ in range(100):
@@ -87,7 +91,7 @@ def main():
             a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
             for _ in range(200):  # ~0.3 s of GPU work; the main thread blocks on it meanwhile
                 a = (a @ a).clamp_(-1, 1)
-            f = pool.submit(lambda: (torch.set_num_threads(threads), unit())[1])
+            f = submit(unit)
             torch.cuda.synchronize()
             rows.append((name, "unit size, worker, main thread in cuda.synchronize", f.result()))
             del a

@@ -131,15 +131,16 @@ def _host_total_bytes() -> int:
         return 0
 
 
-def _adam_bench(numel: int, dtype):
-    """A timed fused CPU AdamW over `numel` random parameters, as the engine runs it when the
-    step clips: grads divided by a `grad_scale` inside the kernel (its slower path; clipping is on
-    by default and binds early in training). Returns run(threads, steps) -> G params/s."""
+def adam_bench(numel: int, dtype, grad_scale: bool = True):
+    """A timed fused CPU AdamW over `numel` random parameters; with `grad_scale`, as the engine
+    runs it when the step clips: grads divided by a `grad_scale` inside the kernel (its slower
+    path; clipping is on by default and binds early in training). Returns (param, optimizer,
+    run(threads, steps) -> G params/s)."""
     g = torch.Generator().manual_seed(0)
     p = torch.nn.Parameter(torch.randn(numel, generator=g).mul_(0.02).to(dtype))
     p.grad = torch.randn(numel, generator=g).mul_(1e-4).to(dtype)
     opt = torch.optim.AdamW([p], lr=1e-4, fused=True)
-    opt.grad_scale = torch.full((), 2.0)
+    opt.grad_scale = torch.full((), 2.0) if grad_scale else None
     opt.step()  # the moments are allocated and first touched here, outside the timing
 
     def run(threads: int, steps: int) -> float:
@@ -154,7 +155,7 @@ def _adam_bench(numel: int, dtype):
         finally:
             torch.set_num_threads(old)
 
-    return run
+    return p, opt, run
 
 
 def measure_cpu_adam(threads_list=None, numel: int = 1 << 27, dtype=torch.float32, steps: int = 3) -> dict[str, float]:
@@ -163,7 +164,7 @@ def measure_cpu_adam(threads_list=None, numel: int = 1 << 27, dtype=torch.float3
     an 8B model (benchmarks/cpu_adam.py)."""
     cores = len(os.sched_getaffinity(0))
     threads_list = threads_list or sorted({1, max(1, cores // 2), max(1, cores - 1), cores})
-    run = _adam_bench(numel, dtype)
+    _, _, run = adam_bench(numel, dtype)
     return {str(t): run(t, steps) for t in threads_list}
 
 
