@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from flame.components.chunked_loss import chunked_head_loss, install_chunked_head, take_chunked_loss  # noqa: E402
-from flame.offload.calibration import measure_block_fudges  # noqa: E402
+from flame.offload.calibration import measure_block_fudges, use_block_calibration  # noqa: E402
 from flame.offload.cost_model import Dtypes  # noqa: E402
 from flame.offload.costs import model_costs  # noqa: E402
 from flame.offload.profile import measure, save  # noqa: E402
@@ -193,7 +193,7 @@ def run_engine(cfg, prof, dt, cap_gib, seq, step_sequences, steps, model_dtype):
     # per rank: the host (one machine) is shared by the ranks
     threads = optimizer_threads(len(os.sched_getaffinity(0)), world)
     plan, costs = solve_micro_batches(costs_of, step_sequences, prof, dt, int(cap_gib * GiB), host // world, threads,
-                                      fudges={mb: c["fudge"] for mb, c in cals.items()}, depths=(1, 2, 3),
+                                      fudges=use_block_calibration(costs_of, cals), depths=(1, 2, 3),
                                       world=world, node_ranks=world)
     plan = agree_on_plan(plan)
     costs = costs_of[plan.micro_batch]

@@ -30,7 +30,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.offload import A_MB, A_SEQ, llama  # noqa: E402
 from flame.offload import optimizer_threads  # noqa: E402
-from flame.offload.calibration import cpu_adam_scale, predict_again, with_cpu_adam_scale  # noqa: E402
+from flame.offload.calibration import (cpu_adam_scale, predict_again, use_block_calibration,  # noqa: E402
+                                      with_cpu_adam_scale)
 from flame.offload.cost_model import Dtypes  # noqa: E402
 from flame.offload.costs import model_costs  # noqa: E402
 from flame.offload.profile import from_dict  # noqa: E402
@@ -85,7 +86,9 @@ def replay(result: str) -> list[dict]:
         costs = model_costs(llama(size), getattr(torch, dt.compute), [mb], seq, loss_chunk_tokens=chunk)[mb]
         threads = optimizer_threads(prof.cpu_cores, world)  # as benchmarks/offload.py
         plan = plan_of_row(pl, dt, seq, mb, rounds, threads, world)
-        fudge = r["block_calibration"]["fudge"]
+        cal = r["block_calibration"]
+        # results from 2026-11-23 on also timed the outer (head + loss) before the run
+        fudge = use_block_calibration({mb: costs}, {mb: cal})[mb] if "outer_fwd_s" in cal else cal["fudge"]
         pred_now = predict_again(plan, costs, prof, fudge)
         now = pred_now.step_s
         row = {"run": name, "world": world, "measured_step_s": r["step_s"], "predicted_then_s": r["predicted_step_s"],

@@ -4,9 +4,10 @@ With a 128K vocabulary the float32 logits of a 16K-token micro-batch are 8.4 GB,
 cross-entropy keeps the log-softmax for the backward on top of that. Here the head matmul, the
 log-sum-exp and both gradients are computed chunk by chunk in the forward (the loss is the last
 op of the graph, so its incoming gradient is a scalar that only rescales them); the backward
-multiplies the stored gradients by that scalar. Extra memory: a few [chunk, vocab] float32 tensors
-and a float32 accumulator of the head's weight gradient inside the forward; the hidden-state and
-weight gradients (in their own dtypes) until the backward.
+multiplies the stored gradients by that scalar. Extra memory inside the forward: one [chunk, vocab]
+float32 tensor (the log-probabilities, turned into the logits' gradient in place) with its
+input-dtype copy, and a float32 accumulator of the head's weight gradient; until the backward, the
+hidden-state and weight gradients (in their own dtypes).
 Same FLOPs as the unchunked head (three matmuls per token).
 
 `install_chunked_head(model)` makes a model's output Linear compute the loss when given labels
@@ -40,35 +41,31 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         dh = torch.empty_like(hidden) if want[0] else None
         dw = torch.zeros(weight.shape, device=weight.device, dtype=acc) if want[1] else None
         db = torch.zeros(weight.shape[0], device=weight.device, dtype=acc) if want[2] and bias is not None else None
-        # the weight gradient is added up in vocabulary row blocks: a whole [vocab, hidden] product
-        # in the input dtype plus its float32 copy would be 3x the head's size in temporaries; a
-        # block of this many rows is no larger than one chunk's logits
-        rows = max(1, chunk * weight.shape[0] // weight.shape[1])
         for lo in range(0, n, chunk):
             h, y = hidden[lo:lo + chunk], labels[lo:lo + chunk]
-            z = F.linear(h, weight, bias).to(acc)
             valid = y != IGNORE_INDEX
             safe = torch.where(valid, y, 0)
-            lse = torch.logsumexp(z, dim=-1)
-            picked = z.gather(1, safe[:, None]).squeeze(1)
-            loss += torch.where(valid, lse - picked, 0.0).sum()
+            # the logits in the input dtype straight to log-probabilities in `acc` (on CUDA one
+            # kernel: no converted copy of the [chunk, vocab] logits)
+            logp = torch.log_softmax(F.linear(h, weight, bias), dim=-1, dtype=acc)
+            loss -= torch.where(valid, logp.gather(1, safe[:, None]).squeeze(1), 0.0).sum()
             if dh is None and dw is None and db is None:
                 continue
-            # d(sum CE)/dz = softmax(z) - onehot(label), zero on ignored tokens
-            g = torch.exp(z.sub_(lse[:, None]))
+            # d(sum CE)/dz = softmax(z) - onehot(label), in place; ignored tokens' rows are zeroed
+            # through the small tensors they meet (hidden rows, dh rows), not a [chunk, vocab] pass
+            g = logp.exp_()
             g.scatter_add_(1, safe[:, None], -valid[:, None].to(g.dtype))
-            g.mul_(valid[:, None])
             gc = g.to(hidden.dtype)
-            del z, g
+            del logp, g
+            keep = valid[:, None].to(hidden.dtype)
             if dh is not None:
-                dh[lo:lo + chunk] = gc @ weight.to(hidden.dtype)
-            if dw is not None and gc.dtype == acc:
-                dw.addmm_(gc.t(), h)
-            elif dw is not None:
-                for r in range(0, dw.shape[0], rows):
-                    dw[r:r + rows] += (gc[:, r:r + rows].t() @ h).to(acc)
+                rows_dh = dh[lo:lo + chunk]
+                torch.mm(gc, weight.to(hidden.dtype), out=rows_dh)
+                rows_dh.mul_(keep)
+            if dw is not None:
+                _add_weight_grad(dw, gc, h * keep)
             if db is not None:
-                db += gc.to(acc).sum(0)
+                db += torch.where(valid[:, None], gc, 0).to(acc).sum(0)
         # kept for the backward in the parameters' dtype (what their grads are): the float32
         # accumulators live only until here
         dw = dw.to(weight.dtype) if dw is not None else None
@@ -81,6 +78,22 @@ class _LinearCrossEntropySum(torch.autograd.Function):
     def backward(ctx, gout):
         grads = [t * gout.to(t.dtype) if has else None for t, has in zip(ctx.saved_tensors, ctx.has)]
         return (*grads, None, None)
+
+
+def _add_weight_grad(dw: torch.Tensor, g: torch.Tensor, h: torch.Tensor) -> None:
+    """dw += g.T @ h, with dw in a wider dtype than g and h (float32 for bf16) on every backend."""
+    if dw.dtype == g.dtype:
+        dw.addmm_(g.t(), h)
+    elif dw.is_cuda:
+        # one GEMM that reads and writes the float32 accumulator in its epilogue
+        torch.addmm(dw, g.t(), h, out_dtype=dw.dtype, out=dw)
+    else:
+        # CPU has no mixed-dtype addmm: vocabulary row blocks, each no larger than one chunk's
+        # logits (a whole [vocab, hidden] product in the input dtype plus its float32 copy would be
+        # 3x the head's size in temporaries)
+        rows = max(1, g.shape[0] * dw.shape[0] // dw.shape[1])
+        for r in range(0, dw.shape[0], rows):
+            dw[r:r + rows] += (g[:, r:r + rows].t() @ h).to(dw.dtype)
 
 
 def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

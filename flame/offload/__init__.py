@@ -80,11 +80,11 @@ def build_plan(model, job_config, device, world: int = 1, threads_from_profile: 
     dt = Dtypes(off.compute_dtype, off.master_dtype, off.grad_dtype, off.moment_dtype)
     fudges = None
     if torch.device(device).type == "cuda":
-        from flame.offload.calibration import measure_block_fudges
+        from flame.offload.calibration import measure_block_fudges, use_block_calibration
 
-        # one real block timed at the run's shapes, per candidate micro-batch: scales the
-        # FLOP-based compute times
-        fudges = {mb: r["fudge"] for mb, r in measure_block_fudges(model.config, costs_of, prof, seq, cdt).items()}
+        # one real block timed at the run's shapes, per candidate micro-batch, scales the
+        # FLOP-based compute times; the outer (head and loss) is timed as it is
+        fudges = use_block_calibration(costs_of, measure_block_fudges(model.config, costs_of, prof, seq, cdt))
     # the micro-batch: the fastest plan over the candidates (every one runs the step's tokens)
     plan, costs = solve_micro_batches(costs_of, accum * local, prof, dt, gpu, host, threads, fudges=fudges,
                                       depths=off.depths(), overrides=off.overrides,

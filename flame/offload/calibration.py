@@ -76,7 +76,8 @@ def refit(plan: Plan, costs, prof, measured_step_s: float, overrides=None,
 
     With `cpu_rate_scale` (cpu_adam_scale of the engine's measured CPU AdamW time) other than 1,
     the CPU rate is refit first and the plan predicted again; what is left of the error goes to
-    the compute scale."""
+    the compute scale (the blocks': a unit timed before the run keeps its times, so the refit
+    predicts somewhat short of the measured step)."""
     pr = plan.predicted
     fudge = pr.get("compute_fudge", 1.0)
     predicted = pr["step_s"]
@@ -193,13 +194,21 @@ class StepCalibrator:
         return rep
 
 
-__all__ = ["CALIBRATED_PLAN", "StepCalibrator", "calibrated_plan_for", "compare", "refit", "same_decisions", "asdict"]
+__all__ = ["CALIBRATED_PLAN", "StepCalibrator", "calibrated_plan_for", "compare", "refit", "same_decisions",
+           "use_block_calibration", "asdict"]
 
 
-def _time(fn, iters: int = 3) -> float:
-    """Seconds per call: CUDA events on a GPU (the profile's timer), a host clock otherwise."""
+def _time(fn, iters: int = 3, warm_s: float = 0.0) -> float:
+    """Seconds per call: CUDA events on a GPU (the profile's timer), a host clock otherwise. With
+    `warm_s`, `fn` first runs for that long: a GPU at its power limit lowers its clock within
+    a fraction of a second of sustained GEMMs, and a training step runs at that clock."""
     import torch
 
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < warm_s:
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
     if torch.cuda.is_available():
         from flame.offload.profile import _time_cuda
 
@@ -211,13 +220,19 @@ def _time(fn, iters: int = 3) -> float:
     return (time.perf_counter() - t0) / iters
 
 
+# seconds of sustained work before the first timing (see _time)
+WARM_S = 1.0
+
+
 def measure_block_fudges(config, costs_of: dict, prof, seq_len: int, dtype, device: str = "cuda") -> dict[int, dict]:
     """Time one real block (fwd, fwd+bwd) at the run's shapes for every candidate micro-batch of
     `costs_of` (the block built once) and compare with the FLOP-based prediction: per micro-batch
     {"fudge": measured / predicted, ...} for `solve(fudge=...)`. GEMMs of 4k rows run well below
-    the rate of 32k rows, so one micro-batch's scale misjudges another's. A micro-batch whose one
-    block (fwd+bwd) runs out of GPU memory fits no plan and is left out of the result (so are the
-    larger ones)."""
+    the rate of 32k rows, so one micro-batch's scale misjudges another's. Also times the outer
+    (embeddings, final norm, head and the loss as the costs were measured: chunked or not) without
+    blocks: "outer_fwd_s", "outer_bwd_s" (`use_block_calibration` puts them into the costs). A
+    micro-batch whose one block (fwd+bwd) or outer runs out of GPU memory fits no plan and is left
+    out of the result (so are the larger ones)."""
     import copy
 
     import torch
@@ -230,10 +245,14 @@ def measure_block_fudges(config, costs_of: dict, prof, seq_len: int, dtype, devi
         m = AutoModelForCausalLM.from_config(c1, dtype=dtype)
     blk = m.model.layers[0]
     out = {}
+    warm = WARM_S if device == "cuda" else 0.0
     for mb in sorted(costs_of):
         try:
-            out[mb] = _time_block(m, blk, costs_of[mb], prof, mb, seq_len, device)
+            out[mb] = _time_block(m, blk, costs_of[mb], prof, mb, seq_len, device, warm)
+            out[mb].update(_time_outer(m, costs_of[mb], mb, seq_len, device))
+            warm = 0.0
         except torch.OutOfMemoryError:
+            out.pop(mb, None)
             logger.info("offload: one block at micro-batch %d x %d does not fit the GPU; larger micro-batches "
                         "left out", mb, seq_len)
             break
@@ -246,11 +265,58 @@ def measure_block_fudges(config, costs_of: dict, prof, seq_len: int, dtype, devi
     return out
 
 
+def use_block_calibration(costs_of: dict, cals: dict) -> dict[int, float]:
+    """Put measure_block_fudges' outer times into the costs of each micro-batch it timed; returns
+    the blocks' compute scale per micro-batch (solve_micro_batches' `fudges`)."""
+    for mb, c in cals.items():
+        costs_of[mb].outer.timed_s = [c["outer_fwd_s"], c["outer_bwd_s"]]
+    return {mb: c["fudge"] for mb, c in cals.items()}
+
+
+def _time_outer(m, costs, micro_batch: int, seq_len: int, device: str) -> dict:
+    """Time the outer of the one-block model `m` (its blocks taken out) with a grad-enabled forward,
+    as training runs it: the chunked loss does its head's backward matmuls and float32 softmax
+    passes there, far below GEMM rate."""
+    import torch
+    import torch.nn as nn
+
+    from flame.components.chunked_loss import chunked_head_loss, install_chunked_head, take_chunked_loss
+    from flame.offload.costs import find_blocks
+
+    name, blocks = find_blocks(m)
+    parent, _, attr = name.rpartition(".")
+    owner = m.get_submodule(parent) if parent else m
+    ids = torch.zeros((micro_batch, seq_len), dtype=torch.long, device=device)
+    chunk = costs.extra.get("loss_chunk_tokens", 0)
+    head = install_chunked_head(m, chunk) if chunk else None
+
+    def loss():
+        if head is None:
+            logits = m(ids, use_cache=False).logits
+            return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), ids.flatten(), reduction="sum")
+        with chunked_head_loss(head, ids):
+            return take_chunked_loss(head, m(ids, use_cache=False).logits)
+
+    def fwd_bwd():
+        for p in m.parameters():
+            p.grad = None
+        loss().backward()
+
+    setattr(owner, attr, nn.ModuleList())
+    try:
+        tf, tfb = _time(loss), _time(fwd_bwd)
+    finally:
+        setattr(owner, attr, blocks)
+        for p in m.parameters():
+            p.grad = None
+    return {"outer_fwd_s": tf, "outer_bwd_s": max(tfb - tf, 0.0)}
+
+
 class _Captured(Exception):
     pass
 
 
-def _time_block(m, blk, costs, prof, micro_batch: int, seq_len: int, device: str) -> dict:
+def _time_block(m, blk, costs, prof, micro_batch: int, seq_len: int, device: str, warm_s: float = 0.0) -> dict:
     """Time `blk` (the one block of model `m`) fwd and fwd+bwd at micro_batch x seq_len, on inputs
     captured from `m`'s own forward, against the FLOP-based prediction of `costs`."""
     import torch
@@ -287,7 +353,8 @@ def _time_block(m, blk, costs, prof, micro_batch: int, seq_len: int, device: str
         o = o[0] if isinstance(o, (tuple, list)) else o
         o.backward(torch.ones_like(o))
 
-    tf, tfb = _time(fwd), _time(fwd_bwd)
+    tfb = _time(fwd_bwd, warm_s=warm_s)
+    tf = _time(fwd)
     pf, pb = unit_times(costs.layers[0], prof, micro_batch / costs.micro_batch)
     for p in blk.parameters():
         p.grad = None

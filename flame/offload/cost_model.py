@@ -218,7 +218,11 @@ def _flow(jobs, depth):
 
 
 def unit_times(u: UnitCosts, prof: HardwareProfile, scale: float, fudge: float = 1.0) -> tuple[float, float]:
-    """(forward, backward) seconds of a unit at `scale` x the measured micro-batch."""
+    """(forward, backward) seconds of a unit at `scale` x the measured micro-batch: its timed seconds
+    when the calibration timed it (the compute scale is the blocks' and is not applied), else its
+    FLOPs at the profile's rates times `fudge`."""
+    if u.timed_s:
+        return scale * u.timed_s[0], scale * u.timed_s[1]
     g = prof.gemm_rate()
     a = 1e12 * prof.attn_tflops
     moved = u.bwd_in_fwd_gemm_flops

@@ -45,6 +45,10 @@ class UnitCosts:
     bwd_in_fwd_gemm_flops: float = 0.0
     """Of bwd_gemm_flops, what the forward already runs (the chunked loss's head dX and dW):
     timed in the forward phase, not in the backward."""
+    timed_s: list[float] | None = None
+    """[forward, backward] seconds of this unit at this micro-batch, timed on the device before the
+    run (calibration.measure_block_fudges times the outer: its loss runs far below GEMM rate). When
+    set, the cost model uses them instead of FLOPs at the profile's rate."""
 
     @property
     def bwd_gemm_flops(self) -> float:
@@ -252,15 +256,15 @@ def measure_costs(model: nn.Module, micro_batch: int, seq_len: int, loss: bool =
     extra = {}
     if head is not None:
         # inside the chunked forward, on top of the float32 weight-grad accumulator: per chunk its
-        # float32 logits, their float32 softmax gradient and its compute-dtype copy (the
-        # weight-grad row blocks are no larger), and at the end the accumulator's copy in the
-        # weight's dtype when that is narrower
+        # float32 log-probabilities (the logits' gradient in place) and their compute-dtype copy
+        # (the input-dtype logits before them are no larger; CPU's weight-grad row blocks neither),
+        # and at the end the accumulator's copy in the weight's dtype when that is narrower
         c = min(loss_chunk_tokens, micro_batch * seq_len)
         w, acc = head.weight.element_size(), max(head.weight.element_size(), 4)
         final_copy = head.weight.numel() * w if w != acc else 0
         extra = {"loss_chunk_tokens": loss_chunk_tokens,
                  "loss_chunk_transient_bytes": head.weight.numel() * acc
-                 + max(c * head.out_features * (2 * acc + w), final_copy)}
+                 + max(c * head.out_features * (acc + w), final_copy)}
     return ModelCosts(micro_batch, seq_len, units, type(blocks[0]).__name__, extra)
 
 

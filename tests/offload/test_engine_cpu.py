@@ -170,6 +170,14 @@ def test_block_calibration_runs_repeatedly_on_cpu():
     cals = measure_block_fudges(m.config, {1: measure_costs(m, 1, 16), 2: costs}, prof(), 16, torch.float32, "cpu")
     assert set(cals) == {1, 2}
     assert cals[2]["predicted_fwd_bwd_s"] == pytest.approx(2 * cals[1]["predicted_fwd_bwd_s"], rel=0.05)
+    # the outer (head + chunked loss) is timed without blocks and its times go into the costs
+    from flame.offload.calibration import use_block_calibration
+
+    chunked = {2: measure_costs(tiny(), 2, 16, loss_chunk_tokens=8)}
+    cals = measure_block_fudges(m.config, chunked, prof(), 16, torch.float32, "cpu")
+    assert cals[2]["outer_fwd_s"] > 0 and cals[2]["outer_bwd_s"] >= 0
+    assert use_block_calibration(chunked, cals) == {2: cals[2]["fudge"]}
+    assert chunked[2].outer.timed_s == [cals[2]["outer_fwd_s"], cals[2]["outer_bwd_s"]]
 
 
 def test_bf16_compute_policy_same_across_modes():

@@ -308,7 +308,7 @@ def test_chunked_loss_costs_by_hand(costs):
     assert costs.outer.max_saved_bytes >= t * v * 4  # plain: the float32 logits
     assert chunked.outer.max_saved_bytes == v * d * 2  # the head's weight gradient, bf16
     assert chunked.outer.act_keep_bytes <= costs.outer.act_keep_bytes - t * v * 4 + t * d * 2 + v * d * 2
-    assert chunked.extra["loss_chunk_transient_bytes"] == v * d * 4 + 512 * v * (4 + 4 + 2)
+    assert chunked.extra["loss_chunk_transient_bytes"] == v * d * 4 + 512 * v * (4 + 2)
     assert [u.fwd_gemm_flops for u in chunked.units] == pytest.approx([u.fwd_gemm_flops for u in costs.units])
     # the head's dX and dW run inside the chunked forward: timed there, the same total and useful FLOPs
     from flame.offload.cost_model import unit_times
@@ -321,6 +321,23 @@ def test_chunked_loss_costs_by_hand(costs):
     args = (prof(), Dtypes(), ["stream"] * n, ["recompute"] * n, "host_opt", 2, 2, 1, 15)
     assert predict(chunked, *args).gpu_bytes < predict(costs, *args).gpu_bytes - 2 * t * v * 4 + chunked.extra["loss_chunk_transient_bytes"]
     assert predict(chunked, *args).useful_flops == pytest.approx(predict(costs, *args).useful_flops)
+
+
+def test_timed_unit_uses_its_seconds_not_flops(costs):
+    """A unit timed before the run (the outer, by the block calibration) costs its seconds, scaled
+    with the micro-batch, whatever the blocks' compute scale; its useful FLOPs stay FLOP-based."""
+    from flame.offload.cost_model import unit_times
+
+    timed = ModelCosts.from_dict(costs.to_dict())
+    timed.outer.timed_s = [0.25, 0.125]
+    assert unit_times(timed.outer, prof(), 2.0, fudge=3.0) == (0.5, 0.25)
+    assert unit_times(timed.layers[0], prof(), 2.0, fudge=3.0) == unit_times(costs.layers[0], prof(), 2.0, fudge=3.0)
+    n = len(costs.layers)
+    args = (prof(), Dtypes(), ["gpu"] * n, ["keep"] * n, "gpu", 1, 2, 1, 15)
+    base, slow = predict(costs, *args), predict(timed, *args)
+    f, b = unit_times(costs.outer, prof(), 1.0)
+    assert slow.step_s - base.step_s == pytest.approx(0.375 - f - b)
+    assert slow.useful_flops == base.useful_flops
 
 
 def test_step_calibration_refits_writes_and_reuses_the_plan(tmp_path, monkeypatch, costs):
