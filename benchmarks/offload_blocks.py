@@ -3,7 +3,9 @@ block): the plan a result JSON stored for the row is rebuilt, three steps warm t
 one steady step records a CUDA event and the host clock at every block's forward pre-hook (and at
 the start and end of each round's forward: the last interval is the last block, the head and the
 loss). GPU intervals longer than the block timed alone point at the engine; host intervals equal
-to the GPU's mean the forward is paced by the host (the CPU AdamW in round 0).
+to the GPU's mean the forward is paced by the host (the CPU AdamW in round 0). The engine's CPU
+worker jobs (accumulations, AdamW steps) of the last warm-up step and the timed one are traced on the
+host clock next to the host's step marks.
 Usage: python benchmarks/offload_blocks.py RESULT.json OUT.json [--row b_8B_bf16_24GiB_32k]
 """
 
@@ -74,13 +76,22 @@ def main():
             if timed:
                 mark("end")
             state["phase"] = None
+            host_marks.append((f"backward {r}", time.perf_counter()))
             loss.backward()
+        host_marks.append(("optimizer_step", time.perf_counter()))
         eng.optimizer_step(1.0, True)
+        host_marks.append(("optimizer_step returned", time.perf_counter()))
 
-    for _ in range(3):
+    host_marks = []
+    for k in range(3):
+        if k == 2:  # the CPU worker's jobs from here: the timed forward waits on this step's AdamW
+            eng.trace, host_marks = [], []
         step(False)
     step(True)
     eng.synchronize()
+    t0 = host_marks[0][1]
+    out_trace = [(kind, idx, 1e3 * (a - t0), 1e3 * (b - t0)) for kind, idx, a, b in eng.trace]
+    out_marks = [(lab, 1e3 * (t - t0)) for lab, t in host_marks]
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv),
            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "row": args.row, "phases": {}}
     for r in range(rounds):
@@ -93,6 +104,15 @@ def main():
         print("| interval | GPU ms | host ms |\n|---|---|---|")
         for lab, g, h in zip(labels, gpu, host):
             print(f"| {lab} | {g:.1f} | {h:.1f} |")
+    # the CPU worker's jobs and the host's step marks, ms from the last warm-up step's first backward
+    out["cpu_trace"], out["host_marks"] = out_trace, out_marks
+    out["forward_marks_host_ms"] = [(ph, lab, 1e3 * (t - t0)) for ph, lab, _, t in marks]
+    for lab, t in out_marks:
+        print(f"{t:9.1f} ms  host: {lab}")
+    for kind in sorted({k for k, *_ in out_trace}):
+        jobs = [x for x in out_trace if x[0] == kind]
+        print(f"{kind}: {len(jobs)} jobs, {sum(b - a for _, _, a, b in jobs):.1f} ms busy, "
+              f"{jobs[0][2]:.1f} .. {jobs[-1][3]:.1f} ms")
     out["host_seconds_4_steps"] = dict(eng.reset_host_seconds())
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)

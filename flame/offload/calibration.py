@@ -266,10 +266,16 @@ def measure_block_fudges(config, costs_of: dict, prof, seq_len: int, dtype, devi
 
 
 def use_block_calibration(costs_of: dict, cals: dict) -> dict[int, float]:
-    """Put measure_block_fudges' outer times into the costs of each micro-batch it timed; returns
-    the blocks' compute scale per micro-batch (solve_micro_batches' `fudges`)."""
+    """Put measure_block_fudges' outer times (and, from a GPU, the blocks' measured backward peak)
+    into the costs of each micro-batch it timed; returns the blocks' compute scale per micro-batch
+    (solve_micro_batches' `fudges`)."""
     for mb, c in cals.items():
-        costs_of[mb].outer.timed_s = [c["outer_fwd_s"], c["outer_bwd_s"]]
+        costs = costs_of[mb]
+        costs.outer.timed_s = [c["outer_fwd_s"], c["outer_bwd_s"]]
+        if c.get("bwd_peak_bytes"):  # measured on a GPU: for every block built like the one timed
+            for u in costs.layers:
+                if u.param_roles == costs.layers[0].param_roles:
+                    u.bwd_peak_bytes = c["bwd_peak_bytes"]
     return {mb: c["fudge"] for mb, c in cals.items()}
 
 
@@ -356,7 +362,20 @@ def _time_block(m, blk, costs, prof, micro_batch: int, seq_len: int, device: str
     tfb = _time(fwd_bwd, warm_s=warm_s)
     tf = _time(fwd)
     pf, pb = unit_times(costs.layers[0], prof, micro_batch / costs.micro_batch)
+    out = {"fudge": tfb / (pf + pb), "measured_fwd_s": tf, "measured_fwd_bwd_s": tfb,
+           "predicted_fwd_s": pf, "predicted_fwd_bwd_s": pf + pb}
+    if device == "cuda":
+        # what a recomputed block's backward adds on top of its input: the recomputed activations,
+        # its output and incoming gradient, the backward's buffers. Its weight grads are allocated
+        # first: the engine's grad slots are static memory
+        for p in blk.parameters():
+            p.grad = torch.zeros_like(p)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fwd_bwd()
+        torch.cuda.synchronize()
+        out["bwd_peak_bytes"] = torch.cuda.max_memory_allocated() - base
     for p in blk.parameters():
         p.grad = None
-    return {"fudge": tfb / (pf + pb), "measured_fwd_s": tf, "measured_fwd_bwd_s": tfb,
-            "predicted_fwd_s": pf, "predicted_fwd_bwd_s": pf + pb}
+    return out

@@ -254,8 +254,11 @@ def predict_memory(costs: ModelCosts, dt: Dtypes, layer_modes, layer_acts, outer
     static = static_gpu_bytes(units, modes, dt, depth, rounds, accs, world)
     act = sum(scale * (u.act_keep_bytes if a == "keep" else u.act_recompute_bytes) for u, a in zip(layers, layer_acts))
     act += scale * outer.act_keep_bytes
-    # transient of a backward: the recomputed block's activations + its gradient buffers
-    trans = [scale * ((l.act_keep_bytes if a == "recompute" else 0) + 2 * l.max_saved_bytes) for l, a in zip(layers, layer_acts)]
+    # transient of a backward: the recomputed block's activations + its gradient buffers (measured
+    # when the calibration ran the block on the GPU; else its saved bytes + twice the largest)
+    trans = [scale * (l.bwd_peak_bytes if a == "recompute" and l.bwd_peak_bytes else
+                      (l.act_keep_bytes if a == "recompute" else 0) + 2 * l.max_saved_bytes)
+             for l, a in zip(layers, layer_acts)]
     # loss backward: the largest saved tensor (log-softmax of the logits), its incoming and its
     # outgoing gradient alive at once
     trans.append(scale * 2.0 * outer.max_saved_bytes)

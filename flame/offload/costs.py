@@ -49,6 +49,10 @@ class UnitCosts:
     """[forward, backward] seconds of this unit at this micro-batch, timed on the device before the
     run (calibration.measure_block_fudges times the outer: its loss runs far below GEMM rate). When
     set, the cost model uses them instead of FLOPs at the profile's rate."""
+    bwd_peak_bytes: int | None = None
+    """GPU bytes a recomputed block's backward adds on top of its input (recomputed activations,
+    gradient buffers), measured on the device before the run (calibration.measure_block_fudges);
+    when set, the cost model uses it instead of act_keep_bytes + 2 x max_saved_bytes."""
 
     @property
     def bwd_gemm_flops(self) -> float:

@@ -503,3 +503,23 @@ def test_calibration_refits_the_cpu_adam_rate_before_compute(costs):
     fudge, new = cal.refit(plan, costs, p, step, cpu_rate_scale=cal.cpu_adam_scale(plan, costs, p, 2 * profiled_s))
     assert fudge == pytest.approx(1.0) and new is not None
     assert new.predicted["step_s"] <= step * (1 + 1e-9)  # re-solved at the measured rate: no slower
+
+
+def test_measured_block_backward_peak_replaces_the_estimate(costs):
+    """A block whose backward peak the calibration measured on the GPU is charged that (scaled with
+    the micro-batch) when it is recomputed; a block that keeps its activations is not."""
+    from flame.offload.cost_model import predict_memory
+
+    n = len(costs.layers)
+    est = costs.layers[0].act_keep_bytes + 2 * costs.layers[0].max_saved_bytes
+    measured = ModelCosts.from_dict(costs.to_dict())
+    for u in measured.layers:
+        u.bwd_peak_bytes = 50 * est  # large enough to be the step's largest transient
+    for acts in (["recompute"] * n, ["keep"] * n):
+        args = (Dtypes(), ["stream"] * n, acts, "host_opt", 2, 4, 1)
+        base, got = predict_memory(costs, *args), predict_memory(measured, *args)
+        if acts[0] == "keep":
+            assert got == base
+            continue
+        assert got.transient_bytes == 50 * est * 4 // costs.micro_batch
+        assert got.gpu_bytes - base.gpu_bytes == got.transient_bytes - base.transient_bytes

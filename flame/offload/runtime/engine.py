@@ -112,6 +112,9 @@ class OffloadEngine(EngineStateDict):
         # seconds spent per kind of host work since the last reset_host_seconds() (calibration:
         # compared with the cost model's CPU terms); pool keys and main-thread keys never overlap
         self.host_seconds = Counter()
+        # a list to fill: the CPU worker appends (kind, unit index, start, end), perf_counter
+        # seconds, per job (benchmarks/offload_blocks.py lines them up with the GPU's timeline)
+        self.trace: list | None = None
         self.cpu_threads = plan.cpu_threads
         blocks_name, blocks = find_blocks(model)
         if len(blocks) != len(plan.layer_modes):
@@ -466,7 +469,7 @@ class OffloadEngine(EngineStateDict):
                 u.gacc.copy_(u.g_stage)
             else:
                 u.host_sq = self.host_math.add_(u.gacc, u.g_stage, norm=last)
-            self.host_seconds["accumulate_and_norm" if last else "accumulate"] += time.perf_counter() - t
+            self._account("accumulate_and_norm" if last else "accumulate", u, t)
             u.stage_free.set()
 
         self.pool.submit(accumulate)
@@ -551,7 +554,13 @@ class OffloadEngine(EngineStateDict):
         if not u.cpu_done.is_set():
             t = time.perf_counter()
             u.cpu_done.wait()
-            self.host_seconds["forward_waits_for_cpu_adam"] += time.perf_counter() - t
+            self._account("forward_waits_for_cpu_adam", u, t)
+
+    def _account(self, kind: str, u: Unit, t0: float) -> None:
+        t1 = time.perf_counter()
+        self.host_seconds[kind] += t1 - t0
+        if self.trace is not None:
+            self.trace.append((kind, u.idx, t0, t1))
 
     def reset_host_seconds(self) -> dict[str, float]:
         """The host-time counters since the last reset (then zeroed)."""
@@ -657,6 +666,8 @@ class OffloadEngine(EngineStateDict):
             t3 = time.perf_counter()
             for k, dt in (("grad_to_master_dtype", t1 - t0), ("cpu_adam", t2 - t1), ("new_compute_copy", t3 - t2)):
                 self.host_seconds[k] += dt
+            if self.trace is not None:
+                self.trace.append(("cpu_step", u.idx, t0, t3))
         finally:
             u.cpu_done.set()
 
