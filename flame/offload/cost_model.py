@@ -29,6 +29,7 @@ from flame.offload.profile import HardwareProfile
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 CONV_CHUNK = 1 << 25  # must match runtime.engine.CONV_CHUNK
+HOST_MATH_CHUNK = 1 << 25  # must match runtime.host_math.CHUNK (its float32 scratch chunk)
 RUNTIME_OVERHEAD_BYTES = 256 * 2**20  # cuBLAS workspaces, small buffers: refit by calibration
 # bus bandwidth (nccl-tests' busbw) of all-gather / reduce-scatter when the profile has none: a
 # deliberately conservative figure (below NVLink's several hundred GB/s, above PCIe-only hosts)
@@ -273,6 +274,8 @@ def predict_memory(costs: ModelCosts, dt: Dtypes, layer_modes, layer_acts, outer
         h, p = unit_host_bytes(u, m, dt, rounds, a, world)
         host += h
         pinned += p
+    if rounds > 1 and any(m != "gpu" and not a for m, a in zip(modes, accs)):
+        host += HOST_MATH_CHUNK * 4  # the host adds' float32 scratch chunk (runtime.host_math)
     if grad_conversion_bytes(dt):  # the CPU optimizer's one master-dtype grad buffer (largest host unit)
         host += max((shard_numel(u.numel, world) for u, m in zip(units, modes) if m != "gpu"), default=0) \
             * DTYPE_BYTES[dt.master]

@@ -397,3 +397,11 @@ def test_engine_shortens_the_gil_switch_interval_while_it_lives():
     assert sys.getswitchinterval() <= SWITCH_INTERVAL_S + 1e-9
     eng.close()
     assert sys.getswitchinterval() == pytest.approx(before)
+
+
+def test_cost_model_mirrors_the_runtime_chunk_sizes():
+    """The planner does not import the runtime: its copies of the runtime's chunk sizes must agree."""
+    from flame.offload import cost_model
+    from flame.offload.runtime import engine, host_math
+
+    assert cost_model.CONV_CHUNK == engine.CONV_CHUNK and cost_model.HOST_MATH_CHUNK == host_math.CHUNK

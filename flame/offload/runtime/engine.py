@@ -54,7 +54,7 @@ from flame.offload.solver import Plan
 
 TOO_MANY_ROUNDS = ("offload: the plan has {} micro-batch(es) per step but the trainer ran more; "
                    "plan with the trainer's training.gradient_accumulation_steps")
-SWITCH_INTERVAL_S = 5e-4
+SWITCH_INTERVAL_S = 1e-4
 CONV_CHUNK = 1 << 25  # elements per GPU conversion chunk (128 MiB in fp32)
 DT = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -102,9 +102,10 @@ class OffloadEngine(EngineStateDict):
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-cpu")
         # The CPU worker dispatches a few torch ops per host chunk (HostMath) and needs the GIL
         # back after each; the training thread runs Python meanwhile (hooks, the recomputed
-        # forward) and keeps the GIL up to the switch interval each time (5 ms by default): 24x
-        # slower adds in a 2-core reproduction, see benchmarks/notes/offload-findings.md O5.
-        # A 0.5 ms interval while the engine lives, restored at close().
+        # forward) and keeps the GIL up to the switch interval each time (5 ms by default). On
+        # the H100 host one block's add + norm next to a Python thread took 207 ms at 0.5 ms and
+        # 8M-element chunks, 43-59 ms at 0.1 ms and 32M (40 ms alone; benchmarks/host_adds.py,
+        # offload-findings.md O5). A 0.1 ms interval while the engine lives, restored at close().
         self._switch_interval = sys.getswitchinterval()
         sys.setswitchinterval(min(self._switch_interval, SWITCH_INTERVAL_S))
         self.host_math = HostMath()  # chunked adds and norms of host grads (the one pool worker only)
