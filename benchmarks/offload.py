@@ -220,10 +220,15 @@ def run_engine(cfg, prof, dt, cap_gib, seq, step_sequences, steps, model_dtype):
     ids = torch.randint(0, cfg.vocab_size, (mb, seq), device="cuda", generator=g)
     losses = []
 
+    phase_peaks = []
+
     def mark(events):
         if events is not None:
             events.append(torch.cuda.Event(enable_timing=True))
             events[-1].record()
+            # the allocator's peak since the last mark (it counts at the host's call, in stream order)
+            phase_peaks.append(torch.cuda.max_memory_allocated())
+            torch.cuda.reset_peak_memory_stats()
 
     def step(events=None):
         """One optimizer step; with `events`, CUDA events on the compute stream at each phase's
@@ -250,6 +255,7 @@ def run_engine(cfg, prof, dt, cap_gib, seq, step_sequences, steps, model_dtype):
         # one more step, in the same steady state, timed phase by phase on the GPU's timeline (the
         # cost model's phase_s): forward, backward of each round, then the optimizer
         events = []
+        peak_before = torch.cuda.max_memory_allocated()  # the phase marks reset the allocator's peak
         step(events)
         eng.synchronize()
         phases = [a.elapsed_time(b) / 1e3 for a, b in zip(events, events[1:])]
@@ -260,7 +266,10 @@ def run_engine(cfg, prof, dt, cap_gib, seq, step_sequences, steps, model_dtype):
     except BaseException:
         eng.close()  # the hooks off the model: the next section starts with this memory free
         raise
-    peak = torch.cuda.max_memory_allocated()
+    peak = max([peak_before, torch.cuda.max_memory_allocated()] + phase_peaks)
+    # the peak of each phase of the phase-timed step over the engine's static memory (forward incl.
+    # the loss, backward of each round, optimizer), next to the prediction's peak over static
+    mem["phase_peak_over_static"] = [p - mem["after_first_step"] for p in phase_peaks[1:]]
     mem.update(peak=peak, peak_reserved=torch.cuda.max_memory_reserved(), report=eng.memory_report())
     # transient = what a step adds on top of the engine's own buffers (activations, loss, grads in flight)
     mem["peak_over_static"] = peak - mem["after_first_step"]

@@ -190,7 +190,8 @@ class Prediction:
     activation_bytes: int = 0
     """Saved for the backward at the end of the forward."""
     transient_bytes: int = 0
-    """The largest transient on top (a recomputed block, the loss backward)."""
+    """The step's peak on top of static + activation_bytes (the loss's transients at the end of the
+    forward, or a block's backward minus the activations already freed by then: may be negative)."""
     phase_s: list = field(default_factory=list)
     """Seconds of each phase of the step, in order: forward and backward of every round, then
     the GPU optimizer and the all-reduce of replicated units (they add up to step_s)."""
@@ -253,22 +254,28 @@ def predict_memory(costs: ModelCosts, dt: Dtypes, layer_modes, layer_acts, outer
     modes = [outer_mode] + list(layer_modes)
     accs = effective_accs(modes, [outer_acc] + list(layer_accs or [False] * len(layers)), rounds)
     static = static_gpu_bytes(units, modes, dt, depth, rounds, accs, world)
-    act = sum(scale * (u.act_keep_bytes if a == "keep" else u.act_recompute_bytes) for u, a in zip(layers, layer_acts))
-    act += scale * outer.act_keep_bytes
-    # transient of a backward: the recomputed block's activations + its gradient buffers (measured
-    # when the calibration ran the block on the GPU; else its saved bytes + twice the largest)
-    trans = [scale * (l.bwd_peak_bytes if a == "recompute" and l.bwd_peak_bytes else
-                      (l.act_keep_bytes if a == "recompute" else 0) + 2 * l.max_saved_bytes)
-             for l, a in zip(layers, layer_acts)]
-    # loss backward: the largest saved tensor (log-softmax of the logits), its incoming and its
-    # outgoing gradient alive at once
-    trans.append(scale * 2.0 * outer.max_saved_bytes)
-    # chunked head + loss (training.loss_chunk_tokens): one chunk's logits inside its forward
-    trans.append(costs.extra.get("loss_chunk_transient_bytes", 0))
-    # the outer's weight grads (head, embeddings) arrive as new tensors before they are added
-    # into the unit's grad buffer
-    trans.append(outer.numel * dt.c)
-    gpu = sum(static.values()) + int(act + max(trans)) + RUNTIME_OVERHEAD_BYTES
+    layer_act = [scale * (u.act_keep_bytes if a == "keep" else u.act_recompute_bytes) for u, a in zip(layers, layer_acts)]
+    act = sum(layer_act) + scale * outer.act_keep_bytes
+    # The peak is at the end of the forward or in a block's backward. At the end of the forward
+    # every activation is alive, plus the loss's transients: the chunked head + loss's own
+    # (training.loss_chunk_tokens), the loss backward's (the largest saved tensor, e.g. the
+    # log-softmax, with its incoming and outgoing gradient), the outer's weight grads arriving as
+    # new tensors before they are added into the unit's grad buffer.
+    loss_trans = max(costs.extra.get("loss_chunk_transient_bytes", 0), scale * 2.0 * outer.max_saved_bytes,
+                     outer.numel * dt.c)
+    # In block k's backward the outer's and later blocks' activations are gone: blocks 0..k's, plus
+    # its transient: a recomputed block's activations and gradient buffers (measured when the
+    # calibration ran the block on the GPU; else its saved bytes + twice the largest), a kept
+    # block's gradient buffers.
+    peak, kept = act + loss_trans, 0.0
+    for l, a, la in zip(layers, layer_acts, layer_act):
+        kept += la
+        if a == "recompute":
+            t = l.bwd_peak_bytes or l.act_keep_bytes + 2 * l.max_saved_bytes
+        else:
+            t = 2 * l.max_saved_bytes
+        peak = max(peak, kept + scale * t)
+    gpu = sum(static.values()) + int(peak) + RUNTIME_OVERHEAD_BYTES
     host = pinned = 0
     for u, m, a in zip(units, modes, accs):
         h, p = unit_host_bytes(u, m, dt, rounds, a, world)
@@ -279,7 +286,7 @@ def predict_memory(costs: ModelCosts, dt: Dtypes, layer_modes, layer_acts, outer
     if grad_conversion_bytes(dt):  # the CPU optimizer's one master-dtype grad buffer (largest host unit)
         host += max((shard_numel(u.numel, world) for u, m in zip(units, modes) if m != "gpu"), default=0) \
             * DTYPE_BYTES[dt.master]
-    return MemoryPrediction(gpu, host, pinned, static, int(act), int(max(trans)))
+    return MemoryPrediction(gpu, host, pinned, static, int(act), int(peak - act))
 
 
 def predict(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, layer_modes, layer_acts, outer_mode: str,
