@@ -6,7 +6,7 @@ O4/O5). Each row changes one condition from the profile's: tensor size (a unit o
 instead of 64M elements), data (random instead of zeros), the thread (the engine's one worker
 thread with its own OpenMP pool instead of the main thread), a main thread that waits on the GPU
 meanwhile, and pinned buffers read by H2D copies meanwhile.
-Usage: python benchmarks/cpu_adam.py OUT.json [--unit_numel 218103808]
+Usage: python benchmarks/cpu_adam.py OUT.json [--unit_numel 218103808] [--threads N] [--dtypes float32,bfloat16]
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from flame.offload.profile import adam_bench, measure_cpu_adam  # noqa: E402
+from flame.offload.runtime.engine import SWITCH_INTERVAL_S  # noqa: E402
 from flame.offload.runtime.streams import register_pinned, unregister_pinned  # noqa: E402
 
 
@@ -42,8 +43,10 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("out")
     ap.add_argument("--unit_numel", type=int, default=218_103_808, help="one Llama-8B block's parameters")
+    ap.add_argument("--threads", type=int, default=0, help="intra-op threads (default: the engine's, cores - 1)")
+    ap.add_argument("--dtypes", default="float32,bfloat16", help="states dtypes")
     args = ap.parse_args()
-    threads = len(os.sched_getaffinity(0)) - 1  # the engine's optimizer_threads with one rank
+    threads = args.threads or len(os.sched_getaffinity(0)) - 1  # the engine's optimizer_threads, one rank
     torch.set_num_threads(threads)
     cuda = torch.cuda.is_available()
     pool = ThreadPoolExecutor(max_workers=1)
@@ -58,7 +61,7 @@ def main():
         return submit(fn).result()
 
     rows = []
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in (getattr(torch, d) for d in args.dtypes.split(",")):
         name = str(dtype).removeprefix("torch.")
         rows.append((name, "profile (measure_cpu_adam: 128M random, grad_scale set, main thread)",
                      measure_cpu_adam([threads], dtype=dtype)[str(threads)]))
@@ -76,7 +79,7 @@ def main():
         # the main thread busy in Python meanwhile (the engine's forward: hooks, kernel launches):
         # the worker needs the GIL back after each op, and the holder keeps it up to the switch
         # interval (5 ms by default)
-        for interval in (sys.getswitchinterval(), 5e-4):
+        for interval in (sys.getswitchinterval(), SWITCH_INTERVAL_S):
             old = sys.getswitchinterval()
             sys.setswitchinterval(interval)
             f = submit(unit)
