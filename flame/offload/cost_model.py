@@ -356,8 +356,12 @@ def predict(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, layer_modes, l
             need = m == "stream" or (m == "host_opt" and r == 0)
             b = sn[j] * c if need else 0
             h2d_bytes += b
-            fw.append((cpu_t[j] if r == 0 else 0.0, b / h2d + (ag_s[j] if need else 0.0), times[j][0], 0.0))
+            # the outer's forward is the head and loss at the end (the embedding lookup at the
+            # start costs next to nothing): its weights and CPU step gate the start, its compute
+            # runs after the last block
+            fw.append((cpu_t[j] if r == 0 else 0.0, b / h2d + (ag_s[j] if need else 0.0), times[j][0] if j else 0.0, 0.0))
             compute += times[j][0]
+        fw.append((0.0, 0.0, times[0][0], 0.0))
         phases.append(_flow(fw, depth))
         bw = []
         for k in range(n, -1, -1):  # layers n-1..0 then outer (index 0)

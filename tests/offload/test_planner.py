@@ -111,6 +111,11 @@ def test_predict_by_hand():
     # the phases: forward, backward (one round), GPU optimizer (no GPU units here)
     assert pr.phase_s == pytest.approx([cpu + h2d + fwd, bwd + d2h, 0.0])
     assert pr.h2d_bytes == 2e9 and pr.d2h_bytes == 4e9
+    # the outer's forward (head + loss) runs after the last block, not under the layer's CPU step
+    # and copy: it adds to the forward phase in full
+    c.units[1] = UnitCosts("outer", "outer", 0, {}, 1e11, 0.0, 0, 0, 0)
+    pr = predict(c, p, Dtypes(), ["stream"], ["keep"], "gpu", 1, 1, 1, 15)
+    assert pr.phase_s[0] == pytest.approx(cpu + h2d + fwd + 1e11 / 500e12)
 
 
 def test_peak_by_phase_by_hand():
