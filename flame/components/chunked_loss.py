@@ -59,9 +59,9 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             del logp, g
             keep = valid[:, None].to(hidden.dtype)
             if dh is not None:
-                rows_dh = dh[lo:lo + chunk]
-                torch.mm(gc, weight.to(hidden.dtype), out=rows_dh)
-                rows_dh.mul_(keep)
+                # a plain matmul (not out=): under autocast it runs in the autocast dtype
+                dh[lo:lo + chunk] = gc @ weight.to(hidden.dtype)
+                dh[lo:lo + chunk].mul_(keep)
             if dw is not None:
                 _add_weight_grad(dw, gc, h * keep)
             if db is not None:

@@ -322,17 +322,22 @@ def predict(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, layer_modes, l
     rs_s = [collective_s(padded_numel(u.numel, world) * c, world, prof.reducescatter_gbps) if m != "gpu" else 0.0
             for u, m in zip(units, modes)]
     # CPU work per host unit at the step's end: the fused AdamW and the new compute copy when
-    # master != compute dtype (a read+write pass at the measured host memcpy rate)
+    # master != compute dtype; grads in another dtype than the master are converted into a
+    # master-dtype buffer first. Each conversion is one copy op: its bytes read + written move at
+    # twice the profile's memcpy rate (which counts the bytes copied). Run 15 (H100 host, memcpy
+    # 39.8 GB/s): 3.2G params fp32 -> bf16 in 0.261 s, 74 GB/s read + written.
     conv = dt.master_extra and (dt.master_extra + c)
-    # grads in another dtype than the master are converted into a master-dtype buffer first
     gconv = grad_conversion_bytes(dt)
     host_acc = [m != "gpu" and rounds > 1 and not a for m, a in zip(modes, accs)]
-    cpu_t = [n / cpu_rate + n * (conv + gconv) / memcpy if m != "gpu" else 0.0 for n, m in zip(sn, modes)]
+    cpu_t = [n / cpu_rate + n * (conv + gconv) / (2 * memcpy) if m != "gpu" else 0.0 for n, m in zip(sn, modes)]
     # host accumulation, every micro-batch after the unit's D2H, on the CPU worker: the first
     # copies the staged grads (read c, write g bytes/param), the others add: same dtype read c,
     # read+write g; mixed dtypes convert a chunk into a scratch buffer first (+ write g, read g),
     # see runtime.host_math. The last round also takes the sum's norm chunk by chunk while the
-    # chunk is in cache; approximated as one more read of g bytes/param.
+    # chunk is in cache; approximated as one more read of g bytes/param. These bytes move at the
+    # memcpy rate, half the conversions' traffic rate: several ops per chunk, each handing the GIL
+    # back and forth with the training thread (an 8B block's add + norm, 8 bytes/param, took
+    # 43-59 ms next to a Python thread on the H100 host: 30-40 GB/s; benchmarks/host_adds.py).
     add_bytes = c + 2 * g + (2 * g if c != g else 0)
 
     def acc_s(j: int, r: int) -> float:

@@ -49,7 +49,7 @@ def test_predict_two_ranks_by_hand():
     p = prof(allgather_gbps=200.0, reducescatter_gbps=100.0)
     pr = predict(_one_layer(10**9, "stream"), p, Dtypes(), ["stream"], ["keep"], "gpu", 1, 1, 1, 15, world=2)
     n = 5e8
-    cpu = n / 4e9 + n * 6 / 10e9
+    cpu = n / 4e9 + n * 6 / 20e9
     h2d = n * 2 / 50e9
     ag = 0.5 * 2e9 / 200e9  # the full bf16 layer gathered
     fwd, bwd = 1e12 / 500e12, 2e12 / 500e12
