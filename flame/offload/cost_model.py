@@ -324,7 +324,7 @@ def predict(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, layer_modes, l
     # CPU work per host unit at the step's end: the fused AdamW and the new compute copy when
     # master != compute dtype; grads in another dtype than the master are converted into a
     # master-dtype buffer first. Each conversion is one copy op: its bytes read + written move at
-    # twice the profile's memcpy rate (which counts the bytes copied). Run 15 (H100 host, memcpy
+    # twice the profile's memcpy rate (which counts the bytes copied). Run 16 (H100 host, memcpy
     # 39.8 GB/s): 3.2G params fp32 -> bf16 in 0.261 s, 74 GB/s read + written.
     conv = dt.master_extra and (dt.master_extra + c)
     gconv = grad_conversion_bytes(dt)
