@@ -372,10 +372,10 @@ class Trainer(Stateful):
                 self.step += 1
                 gc_handler.run(self.step)
                 calibrator = getattr(self.offload, "calibrator", None)
-                if calibrator is not None:
-                    calibrator.before_step()
+                if calibrator is not None and calibrator.before_step():
+                    self.metrics.allocated_peak(start=True)  # the logger resets the peak at every log
                 self.train_step(data_iter)
-                report = calibrator.after_step() if calibrator is not None else None
+                report = calibrator.after_step(self.metrics.allocated_peak()) if calibrator is not None else None
                 if report is not None:
                     self.metrics.log_scalars({f"offload/{k}": v for k, v in report.items()
                                               if isinstance(v, (int, float))}, self.step)

@@ -42,6 +42,8 @@ class MetricsLogger:
     last_step: int = 0
     run_start: float = field(default_factory=time.perf_counter)
     history: list = field(default_factory=list)
+    allocated_peak_seen: int = 0
+    """The allocator's allocated-bytes peak over the intervals this logger reset (see allocated_peak)."""
 
     def __post_init__(self):
         self.backend = _build_metric_logger(self.job_config, self.parallel_dims)
@@ -60,6 +62,17 @@ class MetricsLogger:
         self.last_step = step
         self.run_start = self.last_time
         self.start_step = step
+
+    def allocated_peak(self, start: bool = False) -> int | None:
+        """The GPU allocator's peak of allocated bytes since the last call with `start` (which
+        begins a window and returns None), across the resets of its one peak counter that every
+        log does. None without a GPU."""
+        if self.device.type != "cuda":
+            return None
+        if start:
+            self.allocated_peak_seen = 0
+            return None
+        return max(self.allocated_peak_seen, torch.cuda.max_memory_allocated(self.device))
 
     def should_log(self, step: int) -> bool:
         return step == 1 or step % self.job_config.metrics.log_freq == 0 or step == self.total_steps
@@ -86,7 +99,9 @@ class MetricsLogger:
             record["mfu_pct"] = 100.0 * tflops * 1e12 / self.peak_flops
         if self.device.type == "cuda":
             record["memory_peak_gib"] = _gib(torch.cuda.max_memory_reserved(self.device))
-            record["memory_active_gib"] = _gib(torch.cuda.max_memory_allocated(self.device))
+            peak = torch.cuda.max_memory_allocated(self.device)
+            record["memory_active_gib"] = _gib(peak)
+            self.allocated_peak_seen = max(self.allocated_peak_seen, peak)
             torch.cuda.reset_peak_memory_stats(self.device)
         if extra:
             record.update(extra)

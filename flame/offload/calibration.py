@@ -146,7 +146,8 @@ class StepCalibrator:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
 
-    def before_step(self) -> None:
+    def before_step(self) -> bool:
+        """True when the timed window starts with this step."""
         self.n += 1
         if self.n == self.FIRST:
             import torch
@@ -156,16 +157,21 @@ class StepCalibrator:
                 torch.cuda.reset_peak_memory_stats()
             self.engine.reset_host_seconds()
             self.t0 = time.perf_counter()
+        return self.n == self.FIRST
 
-    def after_step(self) -> dict | None:
-        """The report once the window is over (then the caller drops the calibrator)."""
+    def after_step(self, peak_bytes: int | None = None) -> dict | None:
+        """The report once the window is over (then the caller drops the calibrator). `peak_bytes`:
+        the window's GPU peak when something else resets the allocator's peak counter meanwhile
+        (the trainer's metrics logger, at every log), else the allocator's own."""
         if self.n != self.last:
             return None
         import torch
 
         self._sync()
         measured = (time.perf_counter() - self.t0) / (self.last - self.FIRST + 1)
-        peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
+        peak = peak_bytes
+        if peak is None and torch.cuda.is_available():
+            peak = torch.cuda.max_memory_allocated()
         rep = compare(self.plan, measured, peak)
         cpu_adam_s = self.engine.reset_host_seconds().get("cpu_adam", 0.0) / (self.last - self.FIRST + 1)
         cpu_scale = cpu_adam_scale(self.plan, self.costs, self.prof, cpu_adam_s)

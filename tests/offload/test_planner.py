@@ -396,10 +396,13 @@ def test_step_calibration_refits_writes_and_reuses_the_plan(tmp_path, monkeypatc
     engine = types.SimpleNamespace(synchronize=lambda: None, reset_host_seconds=dict)  # no host units timed
     calib = cal.StepCalibrator(engine, plan, costs, p, [], str(tmp_path), window=1)
     for _ in range(cal.StepCalibrator.FIRST - 1):
-        calib.before_step()
+        assert calib.before_step() is False
         assert calib.after_step() is None
-    calib.before_step()
-    rep = calib.after_step()
+    assert calib.before_step() is True  # the window starts: the trainer restarts its peak window
+    # the window's GPU peak as the trainer's metrics logger saw it (it resets the allocator's counter)
+    rep = calib.after_step(peak_bytes=2 * GiB)
+    assert rep["measured_peak_gpu_bytes"] == 2 * GiB
+    assert rep["peak_error"] == pytest.approx(2 * GiB / plan.predicted["peak_gpu_bytes"] - 1)
     assert rep["step_error"] == pytest.approx(29.0) and rep["refit_compute_scale"] == pytest.approx(30.0)
     assert rep["replanned"] and (tmp_path / cal.CALIBRATED_PLAN).exists()
     new = cal.calibrated_plan_for(str(tmp_path), plan, [])
