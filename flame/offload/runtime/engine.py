@@ -141,9 +141,10 @@ class OffloadEngine(EngineStateDict):
                 u.pn = -(-u.numel // self.world) * self.world
                 u.sn = u.pn // self.world
                 u.lo = self.rank * u.sn
-            # decayed ranges in the coordinates of the unit's (shard of the) master
-            u.decay = [(a - u.lo, b - a) for (fqn, p), o in zip(u.params, u.offsets)
-                       if fqn not in self.no_decay and (ab := u.owned(o, p.numel())) for a, b in [ab]]
+            # ranges NOT decayed (no_decay parameters, the shard's padding is harmless either way)
+            # in the coordinates of the unit's (shard of the) master
+            u.no_decay = [(a - u.lo, b - a) for (fqn, p), o in zip(u.params, u.offsets)
+                          if fqn in self.no_decay and (ab := u.owned(o, p.numel())) for a, b in [ab]]
         for mod in model.modules():  # buffers (rotary tables, ...) live on the compute device
             for k, b in list(mod._buffers.items()):
                 if b is not None:
@@ -229,7 +230,8 @@ class OffloadEngine(EngineStateDict):
             # (sharded: the shard of the sum accumulates, the full grad is reduce-scattered each round)
             same = u.mode == "host_opt" and self.gdt == self.cdt and not u.sharded
             u.gacc_dev = u.g if same else torch.zeros(u.sn, dtype=self.gdt, device=dev)
-        u.opt = torch.optim.AdamW([u.master], lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=0.0, fused=True)
+        u.opt = torch.optim.AdamW([u.master], lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.wd,
+                                  fused=True)
         # stream: parameters point at a slot (nothing meaningful) until fetched
         u.bind(u.w if u.w is not None else self.slots[0].buf[: u.numel])
         if u.g is not None:
@@ -640,10 +642,12 @@ class OffloadEngine(EngineStateDict):
         return torch.tensor(total), False
 
     def _decay(self, u: Unit, lr: float) -> None:
-        """AdamW's decoupled weight decay, p *= 1 - lr * wd, on the decayed parameters only."""
+        """The fused AdamW decays the whole flat master (p *= 1 - lr * wd inside its one pass); the
+        no_decay parameters (norms, a small part) are divided by that factor first. A separate
+        decay pass over the decayed parameters cost a full read + write of the master a step."""
         if self.wd:
-            for off, n in u.decay:
-                u.master.data[off:off + n].mul_(1.0 - lr * self.wd)
+            for off, n in u.no_decay:
+                u.master.data[off:off + n].div_(1.0 - lr * self.wd)
 
     def _cpu_step(self, u: Unit, coef: float, lr: float, src_done) -> None:
         try:
