@@ -373,7 +373,7 @@ class Trainer(Stateful):
                 gc_handler.run(self.step)
                 calibrator = getattr(self.offload, "calibrator", None)
                 if calibrator is not None and calibrator.before_step():
-                    self.metrics.allocated_peak(start=True)  # the logger resets the peak at every log
+                    self.metrics.start_allocated_peak()  # the logger resets the peak at every log
                 self.train_step(data_iter)
                 report = calibrator.after_step(self.metrics.allocated_peak()) if calibrator is not None else None
                 if report is not None:

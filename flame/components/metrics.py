@@ -63,14 +63,14 @@ class MetricsLogger:
         self.run_start = self.last_time
         self.start_step = step
 
-    def allocated_peak(self, start: bool = False) -> int | None:
-        """The GPU allocator's peak of allocated bytes since the last call with `start` (which
-        begins a window and returns None), across the resets of its one peak counter that every
-        log does. None without a GPU."""
+    def start_allocated_peak(self) -> None:
+        """Begin a window for allocated_peak (the caller resets the allocator's counter itself)."""
+        self.allocated_peak_seen = 0
+
+    def allocated_peak(self) -> int | None:
+        """The GPU allocator's peak of allocated bytes since start_allocated_peak, across the
+        resets of its one peak counter that every log does. None without a GPU."""
         if self.device.type != "cuda":
-            return None
-        if start:
-            self.allocated_peak_seen = 0
             return None
         return max(self.allocated_peak_seen, torch.cuda.max_memory_allocated(self.device))
 
