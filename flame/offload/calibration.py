@@ -1,7 +1,9 @@
 """Calibration: compare measured step time and peak memory with the plan's prediction, refit.
 
 Before the run, `measure_block_fudges` times one real block at the run's shapes, at every
-candidate micro-batch, and scales the cost model's compute times per candidate (build_plan).
+candidate micro-batch, and scales the cost model's compute times per candidate (build_plan); the
+same pass times the outer (head, loss) as it runs and measures a recomputed block's backward
+peak, which `use_block_calibration` puts into the costs.
 During the run, `StepCalibrator` times a few steady steps once (steps 3-5 of the launch), logs
 predicted vs measured step time and peak GPU memory, and, when the step is off by more than 10%,
 refits and solves again, once: first the CPU AdamW rate, from the seconds the engine itself
