@@ -7,7 +7,8 @@ which is exact for in-order streams that overlap freely. Approximations (said he
 calibration): block compute time = GEMM FLOPs / measured GEMM rate + attention FLOPs / measured
 attention rate (elementwise work is folded into those rates by calibration); during the
 backward both copy directions are taken as busy together, so each gets its share of the
-measured duplex rate; the forward's H2D runs alone at the full H2D rate.
+measured duplex rate; the forward's H2D runs alone at the full H2D rate, unless blocks offload
+their activations (then the forward's copies share the duplex rate too).
 
 Data parallelism (`world` > 1, see runtime.engine): host units are sharded, so per rank the host
 and pinned bytes, the PCIe traffic and the CPU optimizer work are those of one shard
@@ -83,6 +84,10 @@ class Dtypes:
 # grads D2H, master/moments on host, CPU AdamW, new copy H2D once a step; stream = compute copy
 # streamed from pinned host every pass, grads D2H, CPU AdamW.
 MODES = ("gpu", "host_opt", "stream")
+# activation modes of a block: keep = saved tensors stay on the GPU; recompute = only its inputs
+# stay, its forward runs again in the backward; offload = saved tensors go to pinned host memory
+# and come back ahead of its backward (runtime.activations)
+ACT_MODES = ("keep", "recompute", "offload")
 
 
 # what the engine holds on the GPU for its whole life, by kind (OffloadEngine.memory_report
@@ -197,26 +202,35 @@ class Prediction:
     the GPU optimizer and the all-reduce of replicated units (they add up to step_s)."""
 
 
-def _flow(jobs, depth):
+def _flow(jobs, depth, gates=None):
     """Flow shop over jobs [(t_cpu, t_h2d, t_compute, t_d2h[, t_host_add])] in order; returns makespan.
 
     H2D of job j waits for the slot freed by the compute of job j-depth-1 (prefetch depth). The
     optional last stage is the CPU worker adding a job's grads (after their D2H) into its host
     accumulator; the phase ends when the last add has (the next micro-batch's D2H of the same
-    unit reuses the staging buffer)."""
+    unit reuses the staging buffer). `gates[j]`: the job whose D2H must end before job j's
+    compute starts (offloaded activations: the GPU copies are freed only after it), or None."""
     f_cpu = f_h = f_c = f_d = f_e = 0.0
-    comp_end = []
+    comp_end, d_end = [], []
     for j, job in enumerate(jobs):
         a, b, c, d = job[:4]
         e = job[4] if len(job) > 4 else 0.0
         f_cpu = f_cpu + a
         slot = comp_end[j - depth - 1] if j - depth - 1 >= 0 else 0.0
         f_h = max(f_cpu, f_h, slot) + b if b else max(f_cpu, f_h)
-        f_c = max(f_h, f_c) + c
+        gate = d_end[gates[j]] if gates and gates[j] is not None else 0.0
+        f_c = max(f_h, f_c, gate) + c
         comp_end.append(f_c)
         f_d = max(f_c, f_d) + d if d else f_d
+        d_end.append(f_d)
         f_e = max(f_d, f_e) + e if e else f_e
     return max(f_c, f_d, f_e)
+
+
+def offload_bytes(u: UnitCosts) -> int:
+    """Bytes a block's offloaded activations take on the host and cross PCIe each way (measured
+    micro-batch)."""
+    return u.act_offload_bytes if u.act_offload_bytes is not None else u.act_keep_bytes
 
 
 def unit_times(u: UnitCosts, prof: HardwareProfile, scale: float, fudge: float = 1.0) -> tuple[float, float]:
@@ -243,19 +257,54 @@ class MemoryPrediction:
     transient_bytes: int
 
 
-def predict_memory(costs: ModelCosts, dt: Dtypes, layer_modes, layer_acts, outer_mode: str, depth: int,
-                   micro_batch: int, rounds: int, layer_accs: list[bool] | None = None, outer_acc: bool = False,
-                   world: int = 1) -> MemoryPrediction:
-    """Peak GPU bytes and host/pinned bytes of one plan on one rank (the memory half of `predict`,
-    cheap: the solver bisects over it before timing one candidate)."""
-    scale = micro_batch / costs.micro_batch
+@dataclass
+class StateMemory:
+    """The memory of a plan's placement of weights, grads and optimizer state (not activations)."""
+    static_gpu: dict
+    host_bytes: int
+    pinned_bytes: int
+
+
+@dataclass
+class ActivationMemory:
+    """The memory of a plan's activation modes: what lives on the GPU from the forward to the
+    backward, the step's peak (activations included) above the static bytes, pinned arenas."""
+    activation_bytes: float
+    peak_bytes: float
+    host_bytes: int
+
+
+def state_memory(costs: ModelCosts, dt: Dtypes, layer_modes, outer_mode: str, depth: int, rounds: int,
+                 layer_accs: list[bool] | None = None, outer_acc: bool = False, world: int = 1) -> StateMemory:
     layers, outer = costs.layers, costs.outer
     units = [outer] + list(layers)
     modes = [outer_mode] + list(layer_modes)
     accs = effective_accs(modes, [outer_acc] + list(layer_accs or [False] * len(layers)), rounds)
     static = static_gpu_bytes(units, modes, dt, depth, rounds, accs, world)
-    layer_act = [scale * (u.act_keep_bytes if a == "keep" else u.act_recompute_bytes) for u, a in zip(layers, layer_acts)]
+    host = pinned = 0
+    for u, m, a in zip(units, modes, accs):
+        h, p = unit_host_bytes(u, m, dt, rounds, a, world)
+        host += h
+        pinned += p
+    if rounds > 1 and any(m != "gpu" and not a for m, a in zip(modes, accs)):
+        host += HOST_MATH_CHUNK * 4  # the host adds' float32 scratch chunk (runtime.host_math)
+    if grad_conversion_bytes(dt):  # the CPU optimizer's one master-dtype grad buffer (largest host unit)
+        host += max((shard_numel(u.numel, world) for u, m in zip(units, modes) if m != "gpu"), default=0) \
+            * DTYPE_BYTES[dt.master]
+    return StateMemory(static, host, pinned)
+
+
+def activation_memory(costs: ModelCosts, dt: Dtypes, layer_acts, depth: int, micro_batch: int) -> ActivationMemory:
+    scale = micro_batch / costs.micro_batch
+    layers, outer = costs.layers, costs.outer
+    # what stays on the GPU from the forward to the backward: an offloaded block's nothing
+    layer_act = [scale * (u.act_keep_bytes if a == "keep" else u.act_recompute_bytes if a == "recompute" else 0)
+                 for u, a in zip(layers, layer_acts)]
     act = sum(layer_act) + scale * outer.act_keep_bytes
+    # offloaded blocks' GPU copies in flight (runtime.activations): in the forward the last two
+    # offloaded blocks' until the later one ends, the last one's through the head and loss; in
+    # block k's backward the restored ones of blocks k-depth..k
+    off = [scale * offload_bytes(u) if a == "offload" else 0.0 for u, a in zip(layers, layer_acts)]
     # The peak is at the end of the forward or in a block's backward. At the end of the forward
     # every activation is alive, plus the loss's transients: the chunked head + loss's own
     # (training.loss_chunk_tokens), the loss backward's (the largest saved tensor, e.g. the
@@ -267,33 +316,42 @@ def predict_memory(costs: ModelCosts, dt: Dtypes, layer_modes, layer_acts, outer
     # its transient: a recomputed block's activations and gradient buffers (measured when the
     # calibration ran the block on the GPU; else its saved bytes + twice the largest), a kept
     # block's gradient buffers.
-    peak, kept = act + loss_trans, 0.0
-    for l, a, la in zip(layers, layer_acts, layer_act):
+    offloaded = [x for x in off if x]
+    peak, kept = act + loss_trans + (offloaded[-1] if offloaded else 0.0), 0.0
+    if len(offloaded) > 1:
+        peak = max(peak, act + max(a + b for a, b in zip(offloaded, offloaded[1:])))
+    for k, (l, a, la) in enumerate(zip(layers, layer_acts, layer_act)):
         kept += la
         if a == "recompute":
             t = l.bwd_peak_bytes or l.act_keep_bytes + 2 * l.max_saved_bytes
         else:
             t = 2 * l.max_saved_bytes
-        peak = max(peak, kept + scale * t)
-    gpu = sum(static.values()) + int(peak) + RUNTIME_OVERHEAD_BYTES
-    host = pinned = 0
-    for u, m, a in zip(units, modes, accs):
-        h, p = unit_host_bytes(u, m, dt, rounds, a, world)
-        host += h
-        pinned += p
-    if rounds > 1 and any(m != "gpu" and not a for m, a in zip(modes, accs)):
-        host += HOST_MATH_CHUNK * 4  # the host adds' float32 scratch chunk (runtime.host_math)
-    if grad_conversion_bytes(dt):  # the CPU optimizer's one master-dtype grad buffer (largest host unit)
-        host += max((shard_numel(u.numel, world) for u, m in zip(units, modes) if m != "gpu"), default=0) \
-            * DTYPE_BYTES[dt.master]
-    return MemoryPrediction(gpu, host, pinned, static, int(act), int(peak - act))
+        peak = max(peak, kept + sum(off[max(0, k - depth):k + 1]) + scale * t)
+    # the offloaded blocks' pinned arenas (each rank its own activations)
+    return ActivationMemory(act, peak, int(sum(off)))
+
+
+def combine_memory(state: StateMemory, acts: ActivationMemory) -> MemoryPrediction:
+    gpu = sum(state.static_gpu.values()) + int(acts.peak_bytes) + RUNTIME_OVERHEAD_BYTES
+    return MemoryPrediction(gpu, state.host_bytes + acts.host_bytes, state.pinned_bytes + acts.host_bytes,
+                            state.static_gpu, int(acts.activation_bytes), int(acts.peak_bytes - acts.activation_bytes))
+
+
+def predict_memory(costs: ModelCosts, dt: Dtypes, layer_modes, layer_acts, outer_mode: str, depth: int,
+                   micro_batch: int, rounds: int, layer_accs: list[bool] | None = None, outer_acc: bool = False,
+                   world: int = 1) -> MemoryPrediction:
+    """Peak GPU bytes and host/pinned bytes of one plan on one rank (the memory half of `predict`;
+    the solver bisects over its two halves, cached, before timing one candidate)."""
+    return combine_memory(state_memory(costs, dt, layer_modes, outer_mode, depth, rounds, layer_accs, outer_acc, world),
+                          activation_memory(costs, dt, layer_acts, depth, micro_batch))
 
 
 def predict(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, layer_modes, layer_acts, outer_mode: str,
             depth: int, micro_batch: int, rounds: int, cpu_threads: int, fudge: float = 1.0,
             layer_accs: list[bool] | None = None, outer_acc: bool = False, world: int = 1,
-            node_ranks: int = 1) -> Prediction:
-    """Predicted steady-state step time and peak memory of one plan (`layer_accs`, `outer_acc`:
+            node_ranks: int = 1, memory: MemoryPrediction | None = None) -> Prediction:
+    """Predicted steady-state step time and peak memory of one plan (`memory`: its predict_memory,
+    when the caller has it already; `layer_accs`, `outer_acc`:
     grads of host units accumulated on the GPU over the rounds, sent to the host once a step),
     per rank of `world` data-parallel ranks (host units sharded; bytes are one rank's), `node_ranks`
     of which share this machine's CPUs for their optimizers."""
@@ -355,25 +413,37 @@ def predict(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, layer_modes, l
     phases = []
     h2d_bytes = d2h_bytes = 0
     compute = 0.0
+    # offloaded activations (bytes per unit, 0 for the outer): D2H after the block's forward,
+    # H2D with its weights in the backward. The forward's H2D then shares the link with them.
+    off = [0] + [int(scale * offload_bytes(u)) if a == "offload" else 0 for u, a in zip(layers, layer_acts)]
+    h2d_fwd, d2h_fwd = (h2d_bwd, d2h_bwd) if any(off) else (h2d, d2h_bwd)
+    # the compute after offloaded block i waits for the previous offloaded block's D2H (its GPU
+    # copies are dropped then): job i + 1 (forward jobs: the units, then the outer's compute)
+    gates = [None] * (n + 2)
+    offl = [j for j in range(1, n + 1) if off[j]]
+    for p, i in zip(offl, offl[1:]):
+        gates[i + 1] = p
     for r in range(rounds):
         fw = []
         for j, (u, m) in enumerate(zip(units, modes)):
             need = m == "stream" or (m == "host_opt" and r == 0)
             b = sn[j] * c if need else 0
             h2d_bytes += b
+            d2h_bytes += off[j]
             # the outer's forward is the head and loss at the end (the embedding lookup at the
             # start costs next to nothing): its weights and CPU step gate the start, its compute
             # runs after the last block
-            fw.append((cpu_t[j] if r == 0 else 0.0, b / h2d + (ag_s[j] if need else 0.0), times[j][0] if j else 0.0, 0.0))
+            fw.append((cpu_t[j] if r == 0 else 0.0, b / h2d_fwd + (ag_s[j] if need else 0.0), times[j][0] if j else 0.0,
+                       off[j] / d2h_fwd))
             compute += times[j][0]
         fw.append((0.0, 0.0, times[0][0], 0.0))
-        phases.append(_flow(fw, depth))
+        phases.append(_flow(fw, depth, gates))
         bw = []
         for k in range(n, -1, -1):  # layers n-1..0 then outer (index 0)
             m = modes[k]
             # streamed layers still in a slot after the forward (the last depth+1) are not refetched
             refetch = m == "stream" and k >= 1 and (k - 1) < n - (depth + 1)
-            b = sn[k] * c if refetch else 0
+            b = (sn[k] * c if refetch else 0) + off[k]
             sends = m != "gpu" and (not accs[k] or r == rounds - 1)
             d = sn[k] * wire[k] if sends else 0
             h2d_bytes += b
@@ -389,8 +459,8 @@ def predict(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, layer_modes, l
                   + collective_s(gpu_params * g, world, prof.allgather_gbps))
     total = sum(phases)
 
-    m = predict_memory(costs, dt, layer_modes, layer_acts, outer_mode, depth, micro_batch, rounds, layer_accs,
-                       outer_acc, world)
+    m = memory or predict_memory(costs, dt, layer_modes, layer_acts, outer_mode, depth, micro_batch, rounds,
+                                 layer_accs, outer_acc, world)
     useful = rounds * sum(scale * (u.fwd_gemm_flops + u.bwd_gemm_flops + u.fwd_attn_flops + u.bwd_attn_flops) for u in units)
     return Prediction(total, m.gpu_bytes, m.host_bytes, m.pinned_bytes, compute, h2d_bytes, d2h_bytes, sum(cpu_t),
                       useful, m.static_gpu, m.activation_bytes, m.transient_bytes, phases)

@@ -49,6 +49,10 @@ class UnitCosts:
     """[forward, backward] seconds of this unit at this micro-batch, timed on the device before the
     run (calibration.measure_block_fudges times the outer: its loss runs far below GEMM rate). When
     set, the cost model uses them instead of FLOPs at the profile's rate."""
+    act_offload_bytes: int | None = None
+    """Bytes copied to the host when the block's activations are offloaded: every distinct saved
+    floating-point tensor (views copied compactly, so views of one base count each), weights
+    excluded (runtime.activations). None: act_keep_bytes."""
     bwd_peak_bytes: int | None = None
     """GPU bytes a recomputed block's backward adds on top of its input (recomputed activations,
     gradient buffers), measured on the device before the run (calibration.measure_block_fudges);
@@ -133,6 +137,7 @@ class _Recorder:
         self.current = "outer"
         self.param_ids = {id(p) for p in model.parameters()}
         self.saved: dict[str, dict[int, int]] = {}
+        self.views: dict[str, dict[tuple, int]] = {}  # distinct floating-point saved tensors
         self.max_saved: dict[str, int] = {}
         self.inputs: dict[str, int] = {}
         self.attn: dict[str, float] = {}
@@ -145,6 +150,9 @@ class _Recorder:
             nb = base.numel() * base.element_size()
             self.saved.setdefault(self.current, {})[id(base)] = nb
             self.max_saved[self.current] = max(self.max_saved.get(self.current, 0), nb)
+            if t.is_floating_point():
+                key = (id(base), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+                self.views.setdefault(self.current, {})[key] = t.numel() * t.element_size()
         return t
 
     def sdpa(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
@@ -236,7 +244,8 @@ def measure_costs(model: nn.Module, micro_batch: int, seq_len: int, loss: bool =
         f = flops_of(n)
         layer_flops += f
         units.append(UnitCosts(n, "layer", sum(p.numel() for p in b.parameters()), roles, f, rec.attn.get(n, 0.0),
-                               sum(rec.saved.get(n, {}).values()), rec.inputs.get(n, 0), rec.max_saved.get(n, 0)))
+                               sum(rec.saved.get(n, {}).values()), rec.inputs.get(n, 0), rec.max_saved.get(n, 0),
+                               act_offload_bytes=sum(rec.views.get(n, {}).values())))
     block_ids = {id(p) for p in blocks.parameters()}
     roles = {}
     numel = 0

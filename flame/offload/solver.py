@@ -14,10 +14,12 @@ a slower step.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 
 from flame.errors import ConfigError
-from flame.offload.cost_model import Dtypes, Prediction, effective_accs, predict, predict_memory
+from flame.offload.cost_model import (Dtypes, Prediction, activation_memory, combine_memory, effective_accs,
+                                      offload_bytes, predict, state_memory, unit_times)
 from flame.offload.costs import ModelCosts
 from flame.offload.profile import HardwareProfile
 
@@ -109,7 +111,7 @@ def _parse_overrides(overrides: list[str], n: int) -> dict:
                 raise ConfigError(f"offload.overrides entry {item!r}: block index out of 0..{n - 1}")
             table = {"weights": ("mode", {"gpu": "gpu", "host": "stream", "resident": "host_opt"}),
                      "optimizer": ("mode", {"gpu": "gpu", "cpu": "host_opt"}),
-                     "activations": ("act", {"keep": "keep", "recompute": "recompute"})}
+                     "activations": ("act", {"keep": "keep", "recompute": "recompute", "offload": "offload"})}
             if name not in table or v not in table[name][1]:
                 raise ConfigError(f"offload.overrides entry {item!r}: unknown key or value")
             kind, vals = table[name]
@@ -146,46 +148,58 @@ def solve(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, gpu_budget: int,
     best: tuple[float, Plan] | None = None
     min_gpu = min_host = None
     splits = [(g, h, n - g - h) for g in range(n + 1) for h in range(n + 1 - g)] if allow_offload else [(n, 0, 0)]
+    offload_counts = _offload_counts(costs, prof, micro_batch) if allow_offload else [0]
+    act_memory = {}
     for g, h, s in splits:
         base_modes, _ = _apply(spread(n, {"gpu": g, "host_opt": h, "stream": s}), ["keep"] * n, ov)
         for outer in outers:
             for depth in depths if s else depths[:1]:
                 for acc_group in _acc_options(base_modes, outer, rounds):
                     for outer_acc, accs in acc_group:  # GPU memory grows along a group
-                        # fewest recomputed blocks that fit: bisect over k (memory falls as k grows)
-                        def at(k):
-                            acts = spread(n, {"recompute": k, "keep": n - k})
-                            return _apply(list(base_modes), acts, ov)
+                        fits_gpu = False
+                        state = state_memory(costs, dt, base_modes, outer, depth, rounds, accs, outer_acc, world)
+                        for o in offload_counts:
+                            # o blocks offload their activations; of the others, the fewest
+                            # recomputed that fit: bisect over k (memory falls as k grows)
+                            def at(k, o=o):
+                                acts = spread(n, {"offload": o, "recompute": k, "keep": n - o - k})
+                                return _apply(list(base_modes), acts, ov)
 
-                        def memory(k):
-                            return predict_memory(costs, dt, *at(k), outer, depth, micro_batch, rounds, accs, outer_acc,
-                                                  world)
+                            def memory(k):
+                                acts = at(k)[1]
+                                key = (tuple(acts), depth)
+                                if key not in act_memory:  # the same activation modes recur in every split
+                                    act_memory[key] = activation_memory(costs, dt, acts, depth, micro_batch)
+                                return combine_memory(state, act_memory[key])
 
-                        lo, hi = 0, n
-                        m_hi = memory(hi)
-                        pg, ph = m_hi.gpu_bytes, m_hi.host_bytes
-                        min_gpu = pg if min_gpu is None else min(min_gpu, pg)
-                        if pg <= gpu_budget:
-                            min_host = ph if min_host is None else min(min_host, ph)
-                        if pg > gpu_budget:
+                            lo, hi = 0, n - o
+                            m_hi = memory(hi)
+                            pg, ph = m_hi.gpu_bytes, m_hi.host_bytes
+                            min_gpu = pg if min_gpu is None else min(min_gpu, pg)
+                            if pg <= gpu_budget:
+                                min_host = ph if min_host is None else min(min_host, ph)
+                            fits_gpu = fits_gpu or pg <= gpu_budget
+                            if pg > gpu_budget or ph > host_budget:
+                                continue
+                            while lo < hi:
+                                mid = (lo + hi) // 2
+                                if memory(mid).gpu_bytes <= gpu_budget:
+                                    hi = mid
+                                else:
+                                    lo = mid + 1
+                            modes, acts = at(lo)
+                            p = predict(costs, prof, dt, modes, acts, outer, depth, micro_batch, rounds, cpu_threads,
+                                        fudge, accs, outer_acc, world, node_ranks, memory(lo))
+                            if best is None or p.step_s < best[0] - 1e-12:
+                                plan = Plan(modes, acts, outer, depth, micro_batch, costs.seq_len, rounds, cpu_threads,
+                                            asdict(dt), gpu_budget, host_budget,
+                                            _pred_dict(p, costs, micro_batch, rounds, prof), layer_gpu_acc=accs,
+                                            outer_gpu_acc=outer_acc, world=world, node_ranks=node_ranks)
+                                best = (p.step_s, plan)
+                            if lo == 0:
+                                break  # nothing recomputed: offloading more only adds copies
+                        if not fits_gpu:
                             break  # more accumulators only need more
-                        if ph > host_budget:
-                            continue  # more accumulators need less host memory
-                        while lo < hi:
-                            mid = (lo + hi) // 2
-                            if memory(mid).gpu_bytes <= gpu_budget:
-                                hi = mid
-                            else:
-                                lo = mid + 1
-                        modes, acts = at(lo)
-                        p = predict(costs, prof, dt, modes, acts, outer, depth, micro_batch, rounds, cpu_threads, fudge,
-                                    accs, outer_acc, world, node_ranks)
-                        if best is None or p.step_s < best[0] - 1e-12:
-                            plan = Plan(modes, acts, outer, depth, micro_batch, costs.seq_len, rounds, cpu_threads,
-                                        asdict(dt), gpu_budget, host_budget, _pred_dict(p, costs, micro_batch, rounds, prof),
-                                        layer_gpu_acc=accs, outer_gpu_acc=outer_acc, world=world,
-                                        node_ranks=node_ranks)
-                            best = (p.step_s, plan)
     if best is None:
         if min_gpu is None or min_gpu > gpu_budget:
             raise ConfigError(f"offload: needs {min_gpu / GiB:.1f} GiB GPU, budget {gpu_budget / GiB:.1f} "
@@ -225,6 +239,25 @@ def solve_micro_batches(costs_of: dict[int, ModelCosts], step_sequences: int, pr
     if best is None:
         raise missing
     return best, best_costs
+
+
+def _offload_counts(costs: ModelCosts, prof: HardwareProfile, micro_batch: int) -> list[int]:
+    """How many blocks the solver tries offloading activations for (each count's blocks spread
+    evenly). Offloading replaces recomputing a block's forward with its saved bytes crossing PCIe
+    each way. Past the count whose D2H fills the whole forward's compute, every further block
+    adds more link time than the recompute it saves, so counts stop there: a ladder of n/8 steps
+    up to that cap (a fixed set for a model and micro-batch: larger budgets never lose an option)."""
+    layers = costs.layers
+    n = len(layers)
+    if not n:
+        return [0]
+    scale = micro_batch / costs.micro_batch
+    u = layers[0]
+    fwd = unit_times(u, prof, scale)[0]
+    d2h = scale * offload_bytes(u) / (prof.duplex_gbps * 1e9 * prof.d2h_gbps / (prof.h2d_gbps + prof.d2h_gbps))
+    cap = n if d2h <= 0 else min(n, math.ceil(n * fwd / d2h))
+    step = max(1, n // 8)
+    return sorted(set(range(0, cap + 1, step)) | {cap})
 
 
 def _acc_options(modes: list[str], outer: str, rounds: int) -> list[list[tuple[bool, list[bool]]]]:
@@ -296,7 +329,8 @@ def describe(plan: Plan, costs: ModelCosts) -> str:
         lines.append(f"  blocks {i}-{j}: {names[plan.layer_modes[i]]}; activations {plan.layer_acts[i]}{acc}")
         i = j + 1
     c = {m: plan.layer_modes.count(m) for m in ("gpu", "host_opt", "stream")}
-    lines.append(f"  counts: {c}, recomputed {plan.layer_acts.count('recompute')}, GPU grad accumulators {sum(accs[1:])}")
+    lines.append(f"  counts: {c}, recomputed {plan.layer_acts.count('recompute')}, activations offloaded "
+                 f"{plan.layer_acts.count('offload')}, GPU grad accumulators {sum(accs[1:])}")
     lines.append(f"  predicted step {pr['step_s'] * 1e3:.1f} ms, {pr['tokens_per_s']:.0f} tokens/s, MFU {100 * pr['mfu']:.1f}% "
                  f"({pr['useful_tflops']:.0f} TFLOP/s useful)")
     lines.append(f"  peak GPU {pr['peak_gpu_bytes'] / GiB:.2f} GiB of {plan.gpu_budget_bytes / GiB:.2f}; host "

@@ -438,3 +438,29 @@ def test_no_decay_parameters_match_torch_param_groups():
     for k, v in ref.state_dict().items():
         if k in skip:
             assert not torch.allclose(sd2[k], v, rtol=1e-5, atol=1e-6), k
+
+
+@pytest.mark.parametrize("rounds,modes", [(1, ["gpu", "host_opt", "stream", "stream"]), (2, ["stream"] * 4)])
+def test_offloaded_activations_bit_identical_to_kept(rounds, modes):
+    """Blocks whose saved tensors go to the host arena and back (with 40-byte pin pieces, so
+    every copy is split) give bit-identical losses and weights to keeping them, mixed with kept
+    and recomputed blocks, over rounds that reuse each arena."""
+    b = batches(3, rounds, seed=7)
+    keep = plan(modes, ["keep", "recompute", "keep", "keep"], "host_opt", rounds)
+    off = plan(modes, ["offload", "recompute", "offload", "offload"], "host_opt", rounds)
+    want, e1 = run_engine(tiny(seed=8), keep, b, rounds, max_norm=0.5)
+    got, e2 = run_engine(tiny(seed=8), off, b, rounds, max_norm=0.5, pin_piece_bytes=40)
+    assert got == want
+    for k, v in e1.model_state_dict().items():
+        assert torch.equal(e2.model_state_dict()[k], v), k
+    arenas = [u.acts for u in e2.units if u.acts is not None]
+    assert len(arenas) == 3 and all(a.arena is not None and a.arena.numel() >= a.nbytes > 0 for a in arenas)
+    # nothing left on the 'GPU' between steps: the forward dropped its copies, the backward its restored ones
+    assert all(not a.pending and not a.restored for a in arenas)
+
+
+def test_offload_rejects_an_unknown_activation_mode():
+    from flame.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="'swap'"):
+        OffloadEngine(tiny(), plan(["gpu"] * 4, ["keep", "swap", "keep", "keep"], "gpu"), torch.device("cpu"))

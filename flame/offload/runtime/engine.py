@@ -43,12 +43,13 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from flame.errors import ConfigError
-from flame.offload.cost_model import MEMORY_CATEGORIES
+from flame.offload.cost_model import ACT_MODES, MEMORY_CATEGORIES
 from flame.offload.costs import find_blocks
+from flame.offload.runtime.activations import HostActivations
 from flame.offload.runtime.collectives import all_gather_flat, comm_device, multi_rank, native, reduce_scatter_flat
 from flame.offload.runtime.host_math import HostMath
 from flame.offload.runtime.state_dict import EngineStateDict
-from flame.offload.runtime.streams import PIN_PIECE_BYTES, Streams, piece_ranges, register_pinned, unregister_pinned
+from flame.offload.runtime.streams import PIN_PIECE_BYTES, Streams, copy_pieces, register_pinned, unregister_pinned
 from flame.offload.runtime.units import Unit, _same, _Slot
 from flame.offload.solver import Plan
 
@@ -120,6 +121,11 @@ class OffloadEngine(EngineStateDict):
         blocks_name, blocks = find_blocks(model)
         if len(blocks) != len(plan.layer_modes):
             raise ConfigError(f"offload.plan: {len(plan.layer_modes)} blocks in the plan, model has {len(blocks)}")
+        bad = next((a for a in plan.layer_acts if a not in ACT_MODES), None)
+        if bad is not None or len(plan.layer_acts) != len(blocks):
+            raise ConfigError(f"offload.plan: activation mode {bad!r}, expected one of {', '.join(ACT_MODES)} per block"
+                              if bad is not None else f"offload.plan: {len(plan.layer_acts)} activation modes, "
+                              f"model has {len(blocks)} blocks")
         self.blocks = blocks
         fqn_of = {}
         for n, p in model.named_parameters(remove_duplicate=False):
@@ -150,6 +156,15 @@ class OffloadEngine(EngineStateDict):
                 if b is not None:
                     mod._buffers[k] = b.to(self.device)
         self._build_buffers()
+        # activations offloaded to host: per block, its arena; the forward's last offloaded block
+        # (its GPU copies are dropped once the next one ends or the forward does)
+        for u in self.units:
+            u.acts = HostActivations(u.name, self.s, self.device, self.pin, pin_piece_bytes) \
+                if u.act == "offload" else None
+        self._offloading = None  # the offloaded block whose forward runs now
+        self._last_offloaded = None
+        # storages of weights that are not slots: never offloaded as activations
+        self.weight_ptrs = {u.w.untyped_storage().data_ptr() for u in self.units if u.w is not None}
         self._install_hooks()
         self.gpu_sq = torch.zeros((), dtype=torch.float32, device=self.device)
 
@@ -281,16 +296,8 @@ class OffloadEngine(EngineStateDict):
 
     def _xfer(self, host: torch.Tensor, lo: int, hi: int, dev: torch.Tensor, to_host: bool,
               non_blocking: bool = True) -> None:
-        """host[lo:hi] <-> dev[:hi - lo], one copy per registered piece of `host`: CUDA rejects an
-        async copy that spans two separately page-locked ranges (invalid argument). Every copy
-        that touches a pinned host buffer goes through here."""
-        piece = self.pin_piece_bytes // host.element_size()
-        for a, b in piece_ranges(lo, hi, piece):
-            h, d = host[a:b], dev[a - lo:b - lo]
-            if to_host:
-                h.copy_(d, non_blocking=non_blocking)
-            else:
-                d.copy_(h, non_blocking=non_blocking)
+        """host[lo:hi] <-> dev[:hi - lo] in the pieces `host` was page-locked in."""
+        copy_pieces(host, lo, hi, dev, to_host, self.pin_piece_bytes, non_blocking)
 
     def _use(self, u: Unit) -> None:
         """The compute stream waits for `u`'s weights."""
@@ -351,6 +358,9 @@ class OffloadEngine(EngineStateDict):
 
     def _model_post(self, mod, args, out):
         self._saved_hooks.__exit__(None, None, None)
+        if self._last_offloaded is not None:
+            self._last_offloaded.release_forward()
+            self._last_offloaded = None
 
     def _block_pre(self, u: Unit, i: int, n: int):
         def hook(mod, args):
@@ -358,12 +368,21 @@ class OffloadEngine(EngineStateDict):
             for j in range(u.idx, min(u.idx + self.depth + 1, n + 1)):
                 self._fetch(self.units[j], protect)
             self._use(u)
+            if u.acts is not None:
+                u.acts.begin_forward()
+                self._offloading = u.acts
 
         return hook
 
     def _block_post(self, u: Unit):
         def hook(mod, args, out):
             self._release(u)
+            if u.acts is not None:
+                self._offloading = None
+                u.acts.copy_out()
+                if self._last_offloaded is not None:  # at most two offloaded blocks on the GPU
+                    self._last_offloaded.release_forward()
+                self._last_offloaded = u.acts
             t = out[0] if isinstance(out, (tuple, list)) else out
             if isinstance(t, torch.Tensor) and t.requires_grad:
                 t.register_hook(self._weak_unit_call(OffloadEngine._bwd_start, u))
@@ -375,8 +394,13 @@ class OffloadEngine(EngineStateDict):
             self._bwd_started = True
             torch.autograd.Variable._execution_engine.queue_callback(self._bwd_end)
         protect = set(range(max(1, u.idx - self.depth), u.idx + 2))
+        for v in self.units[u.idx + 1:]:  # their backward is done
+            if v.acts is not None:
+                v.acts.release_backward()
         for j in range(u.idx, max(0, u.idx - self.depth - 1), -1):
             self._fetch(self.units[j], protect)
+            if self.units[j].acts is not None:  # prefetched with the weights, the same depth
+                self.units[j].acts.fetch()
         self._use(u)
         if u.mode == "stream":
             gs = min(self.gslots, key=lambda s: s.last_use)
@@ -410,6 +434,9 @@ class OffloadEngine(EngineStateDict):
             self._grads_ready(u)
 
     def _bwd_end(self) -> None:
+        for u in self.units:
+            if u.acts is not None:
+                u.acts.release_backward()
         for u in self.units:
             if not u.flushed:
                 self._grads_ready(u)
@@ -537,6 +564,10 @@ class OffloadEngine(EngineStateDict):
             slot = self.slot_ptrs.get(t.untyped_storage().data_ptr())
             if slot is not None and slot.owner is not None:
                 return ("w", slot.owner, t.storage_offset(), tuple(t.shape), t.stride())
+        a = self._offloading
+        if (a is not None and t.device.type == self.device.type and t.is_floating_point()
+                and t.untyped_storage().data_ptr() not in self.weight_ptrs):
+            return a.pack(t)
         return t
 
     @staticmethod
@@ -544,6 +575,8 @@ class OffloadEngine(EngineStateDict):
         # static: every saved tensor of the graph keeps this hook (from C++, unseen by the garbage
         # collector); the engine must not be reachable from it (see _weak_unit_call)
         if isinstance(x, tuple):
+            if x[0] == "a":
+                return x[1].unpack(x[2])
             _, u, off, shape, stride = x
             return torch.as_strided(u.slot.buf, shape, stride, off)
         return x
@@ -763,4 +796,7 @@ class OffloadEngine(EngineStateDict):
         sys.setswitchinterval(self._switch_interval)
         unregister_pinned(self.pinned_ptrs)
         self.pinned_ptrs = []
+        for u in self.units:
+            if u.acts is not None:
+                u.acts.close()
         self._remove_hooks()

@@ -63,6 +63,20 @@ def piece_ranges(lo: int, hi: int, piece: int) -> list[tuple[int, int]]:
     return out
 
 
+def copy_pieces(host: torch.Tensor, lo: int, hi: int, dev: torch.Tensor, to_host: bool, piece_bytes: int,
+                non_blocking: bool = True) -> None:
+    """host[lo:hi] <-> dev[:hi - lo] (flat tensors of one dtype), one copy per registered piece of
+    `host` (see register_pinned): CUDA rejects an async copy that spans two separately page-locked
+    ranges (invalid argument). Every copy that touches a pinned host buffer goes through here."""
+    piece = piece_bytes // host.element_size()
+    for a, b in piece_ranges(lo, hi, piece):
+        h, d = host[a:b], dev[a - lo:b - lo]
+        if to_host:
+            h.copy_(d, non_blocking=non_blocking)
+        else:
+            d.copy_(h, non_blocking=non_blocking)
+
+
 def register_pinned(t: torch.Tensor, piece_bytes: int = PIN_PIECE_BYTES) -> list[int]:
     """Page-lock `t`'s exact bytes with cudaHostRegister in pieces of `piece_bytes` from its first
     byte (no power-of-two rounding of torch's caching host allocator). Returns the registered

@@ -44,6 +44,7 @@ class Unit:
         self.lo = 0
         self.gsh = None  # GPU shard the full grad is reduce-scattered into
         self.gsh_free = None  # event: gsh read by its D2H
+        self.acts = None  # activations offloaded to host (act == "offload"): a HostActivations
 
     def owned(self, o: int, n: int) -> tuple[int, int] | None:
         """[a, b): the part of flat range [o, o + n) this rank owns, in flat coordinates."""
