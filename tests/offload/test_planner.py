@@ -570,3 +570,51 @@ def test_measured_block_backward_peak_replaces_the_estimate(costs):
         inputs = sum(scale * u.act_recompute_bytes for u in costs.layers)
         assert got.activation_bytes + got.transient_bytes == pytest.approx(inputs + scale * 50 * est, abs=2)
         assert got.gpu_bytes - base.gpu_bytes == got.transient_bytes - base.transient_bytes
+
+
+def test_offloaded_activations_by_hand():
+    """Two GPU-resident blocks (no weight copies), both offloading 10 GB of activations: the
+    forward's D2H and the backward's H2D share the duplex rate; block 1's compute waits for nothing
+    (one offloaded block before it), the outer's compute after block 1 waits for block 0's D2H."""
+    gb = 10**9
+    lay = [UnitCosts(f"l{i}", "layer", 0, {}, 1e12, 0.0, 5 * gb, gb, gb, act_offload_bytes=10 * gb) for i in range(2)]
+    out = UnitCosts("outer", "outer", 0, {}, 1e12, 0.0, 0, 0, 0)
+    c = ModelCosts(1, 1, lay + [out], "L")
+    p = prof()  # 500 TFLOP/s, duplex 70 GB/s split 35/35
+    pr = predict(c, p, Dtypes(), ["gpu"] * 2, ["offload"] * 2, "gpu", 1, 1, 1, 15)
+    fwd, d2h = 1e12 / 500e12, 10e9 / 35e9
+    # forward: block 0 computes [0, f], its D2H [f, f + d]; block 1 computes [f, 2f], its D2H
+    # [f + d, f + 2d]; the outer's compute waits for block 0's D2H: starts at max(2f, f + d)
+    assert pr.phase_s[0] == pytest.approx(max(max(2 * fwd, fwd + d2h) + fwd, fwd + 2 * d2h))
+    # backward: block 1's activations come back before its backward (2f), then block 0's (the
+    # slot rule: prefetched one block ahead), the outer's backward last
+    h = 10e9 / 35e9
+    bwd = 2 * fwd
+    b1_end = h + bwd
+    b0_end = max(b1_end, 2 * h) + bwd
+    assert pr.phase_s[1] == pytest.approx(b0_end + bwd)
+    assert pr.h2d_bytes == 20 * gb and pr.d2h_bytes == 20 * gb
+    # host: the two arenas, pinned; GPU: nothing kept, peaks of the copies in flight
+    m = pr
+    kept = predict(c, p, Dtypes(), ["gpu"] * 2, ["keep"] * 2, "gpu", 1, 1, 1, 15)
+    assert m.host_bytes - kept.host_bytes == 20 * gb and m.pinned_bytes - kept.pinned_bytes == 20 * gb
+    assert m.activation_bytes == 0 and kept.activation_bytes == 10 * gb
+    # forward: both blocks' copies in flight (20 GB); block 0's backward: both restored (depth 1)
+    # + 2 x its largest saved tensor
+    assert m.activation_bytes + m.transient_bytes == pytest.approx(20 * gb + 2 * gb)
+
+
+def test_solver_offloads_activations_only_when_the_link_pays(costs):
+    """At a budget that forces recomputing, a link far faster than compute makes the solver offload
+    activations instead (no recompute of those blocks); at the profile's link it recomputes."""
+    n = len(costs.layers)
+    fast_link = prof(h2d_gbps=5e4, d2h_gbps=5e4, duplex_gbps=1e5)
+    slow = solve(costs, prof(gemm_tflops={"default": 5000.0}), Dtypes(), 3 * GiB, 64 * GiB, 2, 1, 15, depths=(1,))
+    assert "recompute" in slow.layer_acts and "offload" not in slow.layer_acts
+    fast = solve(costs, fast_link, Dtypes(), 3 * GiB, 64 * GiB, 2, 1, 15, depths=(1,))
+    assert fast.layer_acts.count("offload") > 0
+    assert fast.layer_acts.count("recompute") < slow.layer_acts.count("recompute")
+    assert fast.predicted["peak_gpu_bytes"] <= 3 * GiB and fast.predicted["peak_host_bytes"] <= 64 * GiB
+    assert "activations offloaded" in describe(fast, costs)
+    forced = solve(costs, prof(), Dtypes(), 40 * GiB, 64 * GiB, 2, 1, 15, overrides=["activations[*]=offload"])
+    assert forced.layer_acts == ["offload"] * n
