@@ -4,6 +4,8 @@
     fp32 master + autocast bf16, fused GPU AdamW) vs FSDP2 CPUOffloadPolicy (world 1);
 (b) 8B Llama-shaped model with bf16 states at a 24 GiB cap: useful TFLOP/s vs the measured
     bf16 GEMM ceiling, at 1 x 8192 and at 4 x 8192 tokens per step (row b_..._32k);
+(o) the 8B at a 40 GiB cap and 4 x 8192 tokens a step, where the planner offloads some blocks'
+    activations to the host instead of recomputing them, next to the same run with that option off;
 (c) predicted vs measured step time and peak GPU memory of every engine run, with the engine's
     memory split into static (its own buffers: memory_report) and what a step adds on top, the
     engine's host seconds by kind, and one more step timed phase by phase (forward and backward
@@ -172,7 +174,7 @@ def run_fsdp2_offload(cfg, mb, seq, rounds, steps):
     return out
 
 
-def run_engine(cfg, prof, dt, cap_gib, seq, step_sequences, steps, model_dtype):
+def run_engine(cfg, prof, dt, cap_gib, seq, step_sequences, steps, model_dtype, offload_activations=True):
     """One engine row: `step_sequences` sequences of `seq` tokens per optimizer step, the micro-batch
     chosen by the planner among the divisors (as the trainer does). Under torchrun (section m)
     every rank runs it on its own GPU with its host state sharded over the ranks; tokens/s is
@@ -194,7 +196,7 @@ def run_engine(cfg, prof, dt, cap_gib, seq, step_sequences, steps, model_dtype):
     threads = optimizer_threads(len(os.sched_getaffinity(0)), world)
     plan, costs = solve_micro_batches(costs_of, step_sequences, prof, dt, int(cap_gib * GiB), host // world, threads,
                                       fudges=use_block_calibration(costs_of, cals), depths=(1, 2, 3),
-                                      world=world, node_ranks=world)
+                                      world=world, node_ranks=world, offload_activations=offload_activations)
     plan = agree_on_plan(plan)
     costs = costs_of[plan.micro_batch]
     mb, rounds = plan.micro_batch, plan.rounds
@@ -308,6 +310,8 @@ ROWS = {
     "b_8B_bf16_24GiB": 130,
     "b_8B_bf16_24GiB_32k": 150,
     "m_8B_bf16_24GiB": 180,
+    "o_8B_bf16_40GiB_32k": 150,
+    "o_8B_bf16_40GiB_32k_no_act_offload": 150,
 }
 
 
@@ -347,6 +351,11 @@ def run_row(name: str, args) -> dict:
     if name == "b_8B_bf16_24GiB_32k":
         # 4 x 8192 tokens per step: the CPU AdamW over 8B parameters is shared by 4x the compute
         return run_engine(llama("8B"), prof, bf16, 24, 8192, 4, args.steps, torch.bfloat16)
+    if name.startswith("o_8B_bf16_40GiB_32k"):
+        # o: a cap where the planner offloads some blocks' activations instead of recomputing them,
+        # next to the same cap with that option off
+        return run_engine(llama("8B"), prof, bf16, 40, 8192, 4, args.steps, torch.bfloat16,
+                          offload_activations=not name.endswith("_no_act_offload"))
     raise ValueError(name)
 
 
@@ -417,7 +426,8 @@ def main():
                                  "writes OUT/offload.json and OUT/offload.md.")
     ap.add_argument("out", help="output folder")
     ap.add_argument("--sections", default="a,b", help="a (3B: engine, resident, FSDP2 offload), b (8B bf16 engine), "
-                    "m (b on every GPU of the machine, host state sharded over the ranks: weak scaling vs b)")
+                    "m (b on every GPU of the machine, host state sharded over the ranks: weak scaling vs b), "
+                    "o (8B at 40 GiB with and without activation offload)")
     ap.add_argument("--rows", default="", help="comma-separated row names to run (default: every row of --sections)")
     ap.add_argument("--steps", type=int, default=3, help="timed optimizer steps per engine/resident row")
     ap.add_argument("--a_rounds", type=int, default=8, help="micro-batches of 1x4096 tokens per step in (a)")
@@ -485,6 +495,9 @@ def main():
     b32 = res.get("b_8B_bf16_24GiB_32k", {})
     if "useful_tflops" in b32:
         summ["b_32k_fraction_of_ceiling"] = b32["useful_tflops"] / ceiling
+    o, o0 = res.get("o_8B_bf16_40GiB_32k", {}), res.get("o_8B_bf16_40GiB_32k_no_act_offload", {})
+    if "tokens_per_s" in o and "tokens_per_s" in o0:
+        summ["o_act_offload_vs_without"] = o["tokens_per_s"] / o0["tokens_per_s"]
     m = res.get("m_8B_bf16_24GiB", {})
     if "tokens_per_s" in m and "tokens_per_s" in b:
         summ["m_gpus"] = m["world"]

@@ -134,8 +134,10 @@ def _apply(layer_modes, layer_acts, ov):
 
 def solve(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, gpu_budget: int, host_budget: int,
           micro_batch: int, rounds: int, cpu_threads: int, depths=(1, 2, 3), overrides: list[str] | None = None,
-          allow_offload: bool = True, fudge: float = 1.0, world: int = 1, node_ranks: int = 1) -> Plan:
-    """The fastest plan whose predicted peak GPU and host bytes fit the budgets.
+          allow_offload: bool = True, fudge: float = 1.0, world: int = 1, node_ranks: int = 1,
+          offload_activations: bool = True) -> Plan:
+    """The fastest plan whose predicted peak GPU and host bytes fit the budgets
+    (`offload_activations`: whether blocks may offload their activations to the host).
 
     Raises ConfigError naming what is missing when nothing fits (before anything is allocated)."""
     n = len(costs.layers)
@@ -148,7 +150,7 @@ def solve(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, gpu_budget: int,
     best: tuple[float, Plan] | None = None
     min_gpu = min_host = None
     splits = [(g, h, n - g - h) for g in range(n + 1) for h in range(n + 1 - g)] if allow_offload else [(n, 0, 0)]
-    offload_counts = _offload_counts(costs, prof, micro_batch) if allow_offload else [0]
+    offload_counts = _offload_counts(costs, prof, micro_batch) if allow_offload and offload_activations else [0]
     act_memory = {}
     for g, h, s in splits:
         base_modes, _ = _apply(spread(n, {"gpu": g, "host_opt": h, "stream": s}), ["keep"] * n, ov)
