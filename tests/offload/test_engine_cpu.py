@@ -464,3 +464,26 @@ def test_offload_rejects_an_unknown_activation_mode():
 
     with pytest.raises(ConfigError, match="'swap'"):
         OffloadEngine(tiny(), plan(["gpu"] * 4, ["keep", "swap", "keep", "keep"], "gpu"), torch.device("cpu"))
+
+
+def test_host_activations_restore_each_layout():
+    """Dense tensors (contiguous, permuted, an offset row block) come back with their own strides,
+    others (a column slice, an expanded view) contiguous; all with their values; a tensor saved
+    twice is copied once."""
+    from flame.offload.runtime.activations import HostActivations, dense_strides
+    from flame.offload.runtime.streams import Streams
+
+    acts = HostActivations("b", Streams(torch.device("cpu")), torch.device("cpu"), False, pin_piece_bytes=40)
+    base = torch.randn(2, 5, 3, 4)
+    saved = [base.transpose(1, 2), base[:, 1:3], torch.randn(4, 1).expand(4, 3), base[1:], torch.randn(()),
+             torch.randn(3, 4).to(torch.bfloat16)]
+    assert [dense_strides(t) is not None for t in saved] == [True, False, False, True, True, True]
+    acts.begin_forward()
+    handles = [acts.pack(t) for t in saved]
+    assert acts.pack(saved[0]) == handles[0] and len(acts.entries) == len(saved)
+    acts.copy_out()
+    acts.release_forward()
+    for t, h in zip(saved, handles):
+        r = acts.unpack(h[2])
+        assert torch.equal(r, t) and r.dtype == t.dtype
+        assert r.stride() == t.stride() if dense_strides(t) is not None else r.is_contiguous()

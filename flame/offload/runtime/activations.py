@@ -12,7 +12,10 @@ starts. Copying at the block's end rather than at each save is exact for every m
 accepts: a saved tensor modified in place later would fail autograd's version check without
 hooks.
 
-Restored tensors are contiguous (as torch.autograd.graph.save_on_cpu restores them). The arena
+A saved tensor that fills its memory span exactly (contiguous, or a permuted view such as the
+transposed q/k/v attention saves) is copied as that span and restored with its own strides, so
+backward kernels see the layout they saw in the forward (fused attention kernels choose paths by
+stride); any other (a slice, an expanded view) is copied compactly and restored contiguous. The arena
 is one exact-size host buffer per block, page-locked in pieces (streams.register_pinned) the
 first time the block runs and again only if a later micro-batch saves more bytes.
 """
@@ -26,6 +29,17 @@ from flame.offload.runtime.streams import PIN_PIECE_BYTES, Streams, copy_pieces,
 ALIGN = 512  # bytes: every entry's offset in the arena (a dtype view needs its element alignment)
 
 
+def dense_strides(t: torch.Tensor) -> tuple[int, ...] | None:
+    """`t`'s strides when its elements fill exactly numel consecutive elements of its storage from
+    its storage offset (some permutation of a contiguous layout), else None."""
+    expected = 1
+    for stride, size in sorted((st, s) for s, st in zip(t.shape, t.stride()) if s != 1):
+        if stride != expected:
+            return None
+        expected *= size
+    return tuple(t.stride())
+
+
 class HostActivations:
     """One offloaded block's saved tensors (no reference to the engine: the saved-tensor handles
     hold this object, and autograd's C++ side holds them, see engine._weak_unit_call)."""
@@ -36,7 +50,8 @@ class HostActivations:
         self.piece = pin_piece_bytes
         self.arena: torch.Tensor | None = None  # uint8 host buffer
         self.arena_ptrs: list[int] = []
-        self.entries: list[tuple[int, int, torch.Size, torch.dtype]] = []  # offset, bytes, shape, dtype
+        # per saved tensor: arena offset, bytes, shape, dtype, strides (None: restored contiguous)
+        self.entries: list[tuple[int, int, torch.Size, torch.dtype, tuple | None]] = []
         self.keys: dict = {}  # one handle per saved tensor saved twice in one forward
         self.pending: list[torch.Tensor] = []  # this forward's GPU tensors, until copied out
         self.d2h_done = None  # event: the arena holds this micro-batch's tensors
@@ -58,7 +73,7 @@ class HostActivations:
             i = self.keys[key] = len(self.entries)
             nb = t.numel() * t.element_size()
             off = -(-self.nbytes // ALIGN) * ALIGN
-            self.entries.append((off, nb, t.shape, t.dtype))
+            self.entries.append((off, nb, t.shape, t.dtype, dense_strides(t)))
             self.pending.append(t)
         return ("a", self, i)
 
@@ -66,15 +81,17 @@ class HostActivations:
         """The block's forward has been issued: copy its saved tensors into the arena (D2H stream)."""
         if not self.pending:
             return
-        src = [t if t.is_contiguous() else t.contiguous() for t in self.pending]
-        self.pending = src  # the compact copies (on the compute stream) are what the D2H reads
+        # the span of a dense tensor as a flat view; a compact copy (on the compute stream) of any other
+        src = [torch.as_strided(t, (t.numel(),), (1,), t.storage_offset()) if e[4] is not None
+               else t.contiguous().reshape(-1) for t, e in zip(self.pending, self.entries)]
+        self.pending = src
         self._fit_arena()
         with self.s.on(self.s.d2h):
             if self.s.cuda:
                 self.s.d2h.wait_stream(torch.cuda.current_stream())
             self.s.wait(self.s.d2h, self.h2d_done)  # the last backward has read the arena
-            for (off, nb, _, _), t in zip(self.entries, src):
-                copy_pieces(self.arena, off, off + nb, t.reshape(-1).view(torch.uint8), True, self.piece)
+            for (off, nb, *_), t in zip(self.entries, src):
+                copy_pieces(self.arena, off, off + nb, t.view(torch.uint8), True, self.piece)
             self.d2h_done = self.s.record(self.s.d2h)
 
     def release_forward(self) -> None:
@@ -98,15 +115,16 @@ class HostActivations:
         """Copy the saved tensors back into fresh GPU tensors on the H2D stream (no host wait)."""
         if self.ready is not None or not self.entries:
             return
-        out = [torch.empty(nb, dtype=torch.uint8, device=self.device) for _, nb, _, _ in self.entries]
+        out = [torch.empty(nb, dtype=torch.uint8, device=self.device) for _, nb, *_ in self.entries]
         allocated = self.s.record()  # the compute stream's last use of this memory comes before
         with self.s.on(self.s.h2d):
             self.s.wait(self.s.h2d, allocated)
             self.s.wait(self.s.h2d, self.d2h_done)
-            for (off, nb, _, _), d in zip(self.entries, out):
+            for (off, nb, *_), d in zip(self.entries, out):
                 copy_pieces(self.arena, off, off + nb, d, False, self.piece)
             self.ready = self.h2d_done = self.s.record(self.s.h2d)
-        self.restored = [d.view(dt).view(shape) for d, (_, _, shape, dt) in zip(out, self.entries)]
+        self.restored = [d.view(dt).view(shape) if st is None else torch.as_strided(d.view(dt), shape, st)
+                         for d, (_, _, shape, dt, st) in zip(out, self.entries)]
 
     def unpack(self, i: int) -> torch.Tensor:
         self.fetch()  # prefetched by the engine; here only when the block's backward came early
