@@ -86,9 +86,9 @@ class HostActivations:
                else t.contiguous().reshape(-1) for t, e in zip(self.pending, self.entries)]
         self.pending = src
         self._fit_arena()
+        produced = self.s.record()  # on the compute stream, before switching to the copy stream
         with self.s.on(self.s.d2h):
-            if self.s.cuda:
-                self.s.d2h.wait_stream(torch.cuda.current_stream())
+            self.s.wait(self.s.d2h, produced)
             self.s.wait(self.s.d2h, self.h2d_done)  # the last backward has read the arena
             for (off, nb, *_), t in zip(self.entries, src):
                 copy_pieces(self.arena, off, off + nb, t.view(torch.uint8), True, self.piece)
