@@ -204,7 +204,8 @@ def test_offloaded_activations_match_kept_and_lower_the_peak():
             assert all(abs(a - w) <= 0.1 * w for a, w in zip(arenas, want))
         eng.close()
     print("losses, grad norms", runs, "forward + backward peak GiB", {k: v / GiB for k, v in peaks.items()})
-    assert runs["offload"] == pytest.approx(runs["keep"], rel=1e-3)
+    flat = {k: [x for pair in v for x in pair] for k, v in runs.items()}
+    assert flat["offload"] == pytest.approx(flat["keep"], rel=1e-3)
     saved = sum(u.act_keep_bytes for u in costs.layers)
     assert peaks["keep"] - peaks["offload"] >= 0.5 * saved
 
@@ -234,4 +235,5 @@ def test_offloaded_activations_at_8b_block_shapes_match_kept():
         eng.close()
         del eng, mod
     print("losses, grad norms", runs)
-    assert runs["offload"] == pytest.approx(runs["keep"], rel=2e-2)
+    flat = {k: [x for pair in v for x in pair] for k, v in runs.items()}
+    assert flat["offload"] == pytest.approx(flat["keep"], rel=2e-2)
