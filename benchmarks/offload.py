@@ -174,7 +174,7 @@ def run_fsdp2_offload(cfg, mb, seq, rounds, steps):
     return out
 
 
-def run_engine(cfg, prof, dt, cap_gib, seq, step_sequences, steps, model_dtype, offload_activations=True):
+def run_engine(cfg, prof, dt, cap_gib, seq, step_sequences, steps, model_dtype, offload_activations=False):
     """One engine row: `step_sequences` sequences of `seq` tokens per optimizer step, the micro-batch
     chosen by the planner among the divisors (as the trainer does). Under torchrun (section m)
     every rank runs it on its own GPU with its host state sharded over the ranks; tokens/s is

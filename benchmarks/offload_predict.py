@@ -49,6 +49,8 @@ ROWS = [
 
 ROW_OF = {name: (size, dt, seq) for name, size, dt, _, seq, _ in ROWS}
 ROW_OF["m_8B_bf16_24GiB"] = ROW_OF["b_8B_bf16_24GiB"]  # row b on every GPU of the machine
+for _name in ("o_8B_bf16_40GiB_32k", "o_8B_bf16_40GiB_32k_no_act_offload"):  # section o: row b's model at 40 GiB
+    ROW_OF[_name] = ROW_OF["b_8B_bf16_24GiB"]
 
 
 def plan_of_row(pl: dict, dt: Dtypes, seq: int, micro_batch: int, rounds: int, threads: int, world: int = 1) -> Plan:

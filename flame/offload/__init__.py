@@ -88,7 +88,8 @@ def build_plan(model, job_config, device, world: int = 1, threads_from_profile: 
     # the micro-batch: the fastest plan over the candidates (every one runs the step's tokens)
     plan, costs = solve_micro_batches(costs_of, accum * local, prof, dt, gpu, host, threads, fudges=fudges,
                                       depths=off.depths(), overrides=off.overrides,
-                                      allow_offload=off.enable != "off", world=world, node_ranks=node_ranks)
+                                      allow_offload=off.enable != "off", world=world, node_ranks=node_ranks,
+                                      offload_activations=off.activation_offload)
     if off.calibrate:
         from flame.offload.calibration import calibrated_plan_for
 

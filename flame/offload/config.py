@@ -58,6 +58,13 @@ class Offload:
     """Path of the cached hardware profile JSON. Empty: `<dump_folder>/offload_profile.json`;
     measured (~30 s) on the first GPU run when missing."""
 
+    activation_offload: bool = False
+    """Let the planner offload blocks' activations to pinned host memory (copied out after each
+    block's forward, back ahead of its backward) where that beats recomputing them. Off by default:
+    it pays only when the PCIe link has room beside the weight traffic and no CPU optimizer shares
+    host memory bandwidth with the copies (offload-findings.md O12), and it doubles the planner's
+    search. `overrides = ["activations[i-j]=offload"]` forces it per block either way."""
+
     prefetch_depth: int = 0
     """Blocks whose weights are in flight ahead of the block computing. 0 = chosen by the planner."""
 

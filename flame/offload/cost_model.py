@@ -233,6 +233,23 @@ def offload_bytes(u: UnitCosts) -> int:
     return u.act_offload_bytes if u.act_offload_bytes is not None else u.act_keep_bytes
 
 
+def adam_traffic_bytes(dt: Dtypes) -> int:
+    """Host memory bytes the fused AdamW moves per parameter: reads the grad, reads and writes the
+    master and both moments."""
+    return DTYPE_BYTES[dt.grad] + 2 * DTYPE_BYTES[dt.master] + 4 * DTYPE_BYTES[dt.moment]
+
+
+def cpu_contention(prof: HardwareProfile, dt: Dtypes, cpu_rate: float, copy_bytes: float, window_s: float) -> float:
+    """How much slower the CPU optimizer runs while `copy_bytes` cross PCIe from/to host memory over
+    `window_s` seconds (>= 1; see predict)."""
+    if copy_bytes <= 0 or window_s <= 0:
+        return 1.0
+    need = adam_traffic_bytes(dt) * cpu_rate
+    capacity = max(2 * prof.host_memcpy_gbps * 1e9, need)
+    room = max(capacity - copy_bytes / window_s, 0.25 * capacity)
+    return max(1.0, need / room)
+
+
 def unit_times(u: UnitCosts, prof: HardwareProfile, scale: float, fudge: float = 1.0) -> tuple[float, float]:
     """(forward, backward) seconds of a unit at `scale` x the measured micro-batch: its timed seconds
     when the calibration timed it (the compute scale is the blocks' and is not applied), else its
@@ -438,6 +455,8 @@ def predict(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, layer_modes, l
             compute += times[j][0]
         fw.append((0.0, 0.0, times[0][0], 0.0))
         phases.append(_flow(fw, depth, gates))
+        if r == 0:
+            fw0 = fw
         bw = []
         for k in range(n, -1, -1):  # layers n-1..0 then outer (index 0)
             m = modes[k]
@@ -457,6 +476,17 @@ def predict(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, layer_modes, l
     # of their grads a step
     phases.append(gpu_params / (prof.gpu_adam_gparams * 1e9) + collective_s(gpu_params * g, world, prof.reducescatter_gbps)
                   + collective_s(gpu_params * g, world, prof.allgather_gbps))
+    # The CPU optimizer runs in the first forward, while offloaded activations go D2H into the same
+    # host memory. Host memory traffic is taken to sustain max(2 x the memcpy rate, what the AdamW
+    # alone moves at its measured rate); the forward's average activation traffic is taken out of
+    # it first, and the CPU work stretches when the AdamW's traffic no longer fits in the rest.
+    # Run 20 (H100 host, bf16 states): with 54 GB of activations going D2H in the forward the AdamW
+    # ran at 0.77x its profiled rate, at 0.94x beside the weight H2D alone (10 GB): within its
+    # step-to-step spread (O10), so the weights' reads are left out of this term.
+    slow = cpu_contention(prof, dt, cpu_rate, sum(off), phases[0])
+    if slow > 1.0:
+        cpu_t = [t * slow for t in cpu_t]
+        phases[0] = _flow([(a * slow, b, cc, d) for a, b, cc, d in fw0], depth, gates)
     total = sum(phases)
 
     m = memory or predict_memory(costs, dt, layer_modes, layer_acts, outer_mode, depth, micro_batch, rounds,

@@ -49,6 +49,9 @@ class Plan:
     """Data-parallel ranks the plan was made for (host state sharded over them; bytes per rank)."""
     node_ranks: int = 1
     """Of those, the ranks on one machine: their CPU optimizers run at once on its cores."""
+    activation_offload: bool = False
+    """Whether the solver could choose to offload blocks' activations (offload.activation_offload);
+    the calibration's re-solve keeps the same choice."""
 
     @property
     def offloads(self) -> bool:
@@ -135,7 +138,7 @@ def _apply(layer_modes, layer_acts, ov):
 def solve(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, gpu_budget: int, host_budget: int,
           micro_batch: int, rounds: int, cpu_threads: int, depths=(1, 2, 3), overrides: list[str] | None = None,
           allow_offload: bool = True, fudge: float = 1.0, world: int = 1, node_ranks: int = 1,
-          offload_activations: bool = True) -> Plan:
+          offload_activations: bool = False) -> Plan:
     """The fastest plan whose predicted peak GPU and host bytes fit the budgets
     (`offload_activations`: whether blocks may offload their activations to the host).
 
@@ -196,7 +199,8 @@ def solve(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, gpu_budget: int,
                                 plan = Plan(modes, acts, outer, depth, micro_batch, costs.seq_len, rounds, cpu_threads,
                                             asdict(dt), gpu_budget, host_budget,
                                             _pred_dict(p, costs, micro_batch, rounds, prof), layer_gpu_acc=accs,
-                                            outer_gpu_acc=outer_acc, world=world, node_ranks=node_ranks)
+                                            outer_gpu_acc=outer_acc, world=world, node_ranks=node_ranks,
+                                            activation_offload=offload_activations)
                                 best = (p.step_s, plan)
                             if lo == 0:
                                 break  # nothing recomputed: offloading more only adds copies

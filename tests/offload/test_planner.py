@@ -608,13 +608,44 @@ def test_solver_offloads_activations_only_when_the_link_pays(costs):
     """At a budget that forces recomputing, a link far faster than compute makes the solver offload
     activations instead (no recompute of those blocks); at the profile's link it recomputes."""
     n = len(costs.layers)
-    fast_link = prof(h2d_gbps=5e4, d2h_gbps=5e4, duplex_gbps=1e5)
-    slow = solve(costs, prof(gemm_tflops={"default": 5000.0}), Dtypes(), 3 * GiB, 64 * GiB, 2, 1, 15, depths=(1,))
+    # (and host memory fast enough that the copies do not slow the CPU optimizer)
+    fast_link = prof(h2d_gbps=5e4, d2h_gbps=5e4, duplex_gbps=1e5, host_memcpy_gbps=1e5)
+    slow = solve(costs, prof(gemm_tflops={"default": 5000.0}), Dtypes(), 3 * GiB, 64 * GiB, 2, 1, 15, depths=(1,),
+                 offload_activations=True)
     assert "recompute" in slow.layer_acts and "offload" not in slow.layer_acts
-    fast = solve(costs, fast_link, Dtypes(), 3 * GiB, 64 * GiB, 2, 1, 15, depths=(1,))
+    fast = solve(costs, fast_link, Dtypes(), 3 * GiB, 64 * GiB, 2, 1, 15, depths=(1,), offload_activations=True)
+    assert fast.activation_offload
+    # off by default (offload.activation_offload): the same case recomputes
+    assert "offload" not in solve(costs, fast_link, Dtypes(), 3 * GiB, 64 * GiB, 2, 1, 15, depths=(1,)).layer_acts
     assert fast.layer_acts.count("offload") > 0
     assert fast.layer_acts.count("recompute") < slow.layer_acts.count("recompute")
     assert fast.predicted["peak_gpu_bytes"] <= 3 * GiB and fast.predicted["peak_host_bytes"] <= 64 * GiB
     assert "activations offloaded" in describe(fast, costs)
     forced = solve(costs, prof(), Dtypes(), 40 * GiB, 64 * GiB, 2, 1, 15, overrides=["activations[*]=offload"])
     assert forced.layer_acts == ["offload"] * n
+
+
+def test_cpu_optimizer_slowed_by_activations_sharing_host_memory():
+    """The AdamW (fp32: 4 + 2*4 + 4*4 = 28 bytes a parameter) at 4e9 params/s moves 112 GB/s, above
+    2 x memcpy (20 GB/s): the capacity is 112 GB/s; 56 GB/s of copies leave half of it, so it
+    runs 2x slower; copies that leave less than a quarter count as leaving a quarter. In predict:
+    a streamed block offloading 10 GB of activations stretches the first forward's CPU step."""
+    from flame.offload.cost_model import adam_traffic_bytes, cpu_contention
+
+    p = prof()  # host_memcpy 10 GB/s
+    assert adam_traffic_bytes(Dtypes()) == 28
+    assert adam_traffic_bytes(Dtypes("bfloat16", "bfloat16", "bfloat16", "bfloat16")) == 14
+    assert cpu_contention(p, Dtypes(), 4e9, 56e9, 1.0) == pytest.approx(2.0)
+    assert cpu_contention(p, Dtypes(), 4e9, 0, 1.0) == 1.0
+    assert cpu_contention(p, Dtypes(), 4e9, 1e12, 1.0) == pytest.approx(4.0)
+    # a slow AdamW (0.5e9/s: 14 GB/s) under 2 x memcpy = 20 GB/s: 5 GB/s of copies still fit
+    assert cpu_contention(p, Dtypes(), 0.5e9, 5e9, 1.0) == 1.0
+    lay = UnitCosts("l", "layer", 10**9, {}, 1e12, 0.0, 10**10, 0, 0, act_offload_bytes=10**10)
+    c = ModelCosts(1, 1, [lay, UnitCosts("outer", "outer", 0, {}, 0.0, 0.0, 0, 0, 0)], "L")
+    kept = predict(c, p, Dtypes(), ["stream"], ["keep"], "gpu", 1, 1, 1, 15)
+    off = predict(c, p, Dtypes(), ["stream"], ["offload"], "gpu", 1, 1, 1, 15)
+    alone = 10**9 / 4e9 + 10**9 * 6 / 20e9  # AdamW + the bf16 compute copy, as in test_predict_by_hand
+    assert kept.cpu_s == pytest.approx(alone)
+    # first pass: CPU step, H2D 2 GB at the shared 35 GB/s, compute; the D2H 10 GB at 35 GB/s after
+    first = max(alone + 2e9 / 35e9 + 1e12 / 500e12, alone + 2e9 / 35e9 + 1e12 / 500e12 + 1e10 / 35e9)
+    assert off.cpu_s == pytest.approx(alone * 112e9 / (112e9 - 1e10 / first))
