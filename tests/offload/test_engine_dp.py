@@ -16,7 +16,7 @@ from test_engine_cpu import F32, MIXED, accumulate, batches, loss_of, plan
 WORLD = 2
 LR = 1e-2
 MODES = ["stream", "host_opt", "stream", "gpu"]
-ACTS = ["recompute", "keep", "keep", "recompute"]
+ACTS = ["recompute", "keep", "offload", "recompute"]  # every activation mode, beside sharding
 # (name, outer mode, rounds, block GPU accumulation, outer GPU accumulation, tied, dtypes)
 CASES = [
     ("r1", "host_opt", 1, (), False, False, None),
