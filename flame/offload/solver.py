@@ -3,8 +3,10 @@
 Search (exact for the cost model, given its placement rule): for identical decoder blocks only
 the number of blocks in each mode matters up to placement, so every split
 (n_gpu, n_host_opt, n_stream) is enumerated for each outer mode and prefetch depth; for each,
-the fewest recomputed blocks that fit the GPU budget is taken in closed form (recomputing more
-only adds compute). Placement rule (the approximation): modes and recompute are spread evenly
+and each count of blocks offloading their activations (`_offload_counts`, only with
+offload_activations), the fewest recomputed blocks that fit the GPU budget is found by bisection
+(recomputing more only adds compute). The memory of a placement and of a set of activation modes
+are computed apart and cached: the same activation modes recur in every split. Placement rule (the approximation): modes and recompute are spread evenly
 over the blocks (Bresenham), so streamed blocks interleave with resident ones and their copies
 hide behind resident compute. Every candidate's time comes from `cost_model.predict`. Because
 the minimum is over a set that only grows with the GPU budget, more GPU memory never predicts
