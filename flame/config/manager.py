@@ -49,12 +49,17 @@ _register_float_list_rule(custom_registry)
 def flat_fields(cls, prefix: str = "") -> dict[str, Any]:
     """Map every leaf option ``section.key`` (and nested ``a.b.c``) to its type."""
     out: dict[str, Any] = {}
+    try:  # sections written with `from __future__ import annotations` hold their types as strings
+        hints = typing.get_type_hints(cls)
+    except (NameError, TypeError):
+        hints = {}
     for f in fields(cls):
         name = f"{prefix}{f.name}"
-        if is_dataclass(f.type):
-            out.update(flat_fields(f.type, name + "."))
+        tp = hints.get(f.name, f.type)
+        if is_dataclass(tp):
+            out.update(flat_fields(tp, name + "."))
         else:
-            out[name] = f.type
+            out[name] = tp
     return out
 
 

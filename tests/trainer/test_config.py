@@ -117,3 +117,12 @@ def test_cli_canonical_key_beats_toml_alias():
     assert cfg.training.local_batch_size == 3 and cfg.training.batch_size == 3
     # the alias on the command line still works, and wins over the TOML
     assert parse("--training.tensor_parallel_degree", "2").parallelism.tensor_parallel_degree == 2
+
+
+def test_boolean_flags_of_sections_with_string_annotations():
+    """[offload] is written with `from __future__ import annotations` (its field types are strings):
+    its booleans are flags like every other section's, both ways, and the next option parses."""
+    cfg = parse("--offload.activation_offload", "--offload.no-calibrate", "--offload.gpu_memory_gib", "6")
+    assert cfg.offload.activation_offload is True and cfg.offload.calibrate is False
+    assert cfg.offload.gpu_memory_gib == 6
+    assert parse().offload.activation_offload is False
