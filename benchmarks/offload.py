@@ -174,7 +174,8 @@ def run_fsdp2_offload(cfg, mb, seq, rounds, steps):
     return out
 
 
-def run_engine(cfg, prof, dt, cap_gib, seq, step_sequences, steps, model_dtype, offload_activations=False):
+def run_engine(cfg, prof, dt, cap_gib, seq, step_sequences, steps, model_dtype, offload_activations=False,
+               selective_recompute=True):
     """One engine row: `step_sequences` sequences of `seq` tokens per optimizer step, the micro-batch
     chosen by the planner among the divisors (as the trainer does). Under torchrun (section m)
     every rank runs it on its own GPU with its host state sharded over the ranks; tokens/s is
@@ -196,7 +197,8 @@ def run_engine(cfg, prof, dt, cap_gib, seq, step_sequences, steps, model_dtype, 
     threads = optimizer_threads(len(os.sched_getaffinity(0)), world)
     plan, costs = solve_micro_batches(costs_of, step_sequences, prof, dt, int(cap_gib * GiB), host // world, threads,
                                       fudges=use_block_calibration(costs_of, cals), depths=(1, 2, 3),
-                                      world=world, node_ranks=world, offload_activations=offload_activations)
+                                      world=world, node_ranks=world, offload_activations=offload_activations,
+                                      selective_recompute=selective_recompute)
     plan = agree_on_plan(plan)
     costs = costs_of[plan.micro_batch]
     mb, rounds = plan.micro_batch, plan.rounds
@@ -312,6 +314,7 @@ ROWS = {
     "m_8B_bf16_24GiB": 180,
     "o_8B_bf16_40GiB_32k": 240,  # + page-locking the activation arenas (tens of GB) in its first step
     "o_8B_bf16_40GiB_32k_no_act_offload": 150,
+    "o_8B_bf16_40GiB_32k_recompute_only": 150,
 }
 
 
@@ -354,8 +357,10 @@ def run_row(name: str, args) -> dict:
     if name.startswith("o_8B_bf16_40GiB_32k"):
         # o: a cap where the planner offloads some blocks' activations instead of recomputing them,
         # next to the same cap with that option off
+        # and without selective recompute either (every block either keeps or recomputes all)
         return run_engine(llama("8B"), prof, bf16, 40, 8192, 4, args.steps, torch.bfloat16,
-                          offload_activations=not name.endswith("_no_act_offload"))
+                          offload_activations=name == "o_8B_bf16_40GiB_32k",
+                          selective_recompute=not name.endswith("_recompute_only"))
     raise ValueError(name)
 
 
@@ -498,6 +503,9 @@ def main():
     o, o0 = res.get("o_8B_bf16_40GiB_32k", {}), res.get("o_8B_bf16_40GiB_32k_no_act_offload", {})
     if "tokens_per_s" in o and "tokens_per_s" in o0:
         summ["o_act_offload_vs_without"] = o["tokens_per_s"] / o0["tokens_per_s"]
+    o1 = res.get("o_8B_bf16_40GiB_32k_recompute_only", {})
+    if "tokens_per_s" in o0 and "tokens_per_s" in o1:
+        summ["o_selective_vs_recompute_only"] = o0["tokens_per_s"] / o1["tokens_per_s"]
     m = res.get("m_8B_bf16_24GiB", {})
     if "tokens_per_s" in m and "tokens_per_s" in b:
         summ["m_gpus"] = m["world"]

@@ -49,7 +49,7 @@ ROWS = [
 
 ROW_OF = {name: (size, dt, seq) for name, size, dt, _, seq, _ in ROWS}
 ROW_OF["m_8B_bf16_24GiB"] = ROW_OF["b_8B_bf16_24GiB"]  # row b on every GPU of the machine
-for _name in ("o_8B_bf16_40GiB_32k", "o_8B_bf16_40GiB_32k_no_act_offload"):  # section o: row b's model at 40 GiB
+for _name in ("o_8B_bf16_40GiB_32k", "o_8B_bf16_40GiB_32k_no_act_offload", "o_8B_bf16_40GiB_32k_recompute_only"):
     ROW_OF[_name] = ROW_OF["b_8B_bf16_24GiB"]
 
 

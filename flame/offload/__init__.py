@@ -89,7 +89,8 @@ def build_plan(model, job_config, device, world: int = 1, threads_from_profile: 
     plan, costs = solve_micro_batches(costs_of, accum * local, prof, dt, gpu, host, threads, fudges=fudges,
                                       depths=off.depths(), overrides=off.overrides,
                                       allow_offload=off.enable != "off", world=world, node_ranks=node_ranks,
-                                      offload_activations=off.activation_offload)
+                                      offload_activations=off.activation_offload,
+                                      selective_recompute=off.selective_recompute)
     if off.calibrate:
         from flame.offload.calibration import calibrated_plan_for
 

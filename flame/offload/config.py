@@ -65,6 +65,11 @@ class Offload:
     host memory bandwidth with the copies (offload-findings.md O12), and it doubles the planner's
     search. `overrides = ["activations[i-j]=offload"]` forces it per block either way."""
 
+    selective_recompute: bool = True
+    """Let the planner recompute blocks selectively: keep the outputs of their matmuls and attention,
+    recompute the rest (norms, rotary, activation functions) in the backward. Between keeping a
+    block's activations and recomputing its whole forward in memory; nearly free in time."""
+
     prefetch_depth: int = 0
     """Blocks whose weights are in flight ahead of the block computing. 0 = chosen by the planner."""
 

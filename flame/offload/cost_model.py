@@ -84,10 +84,12 @@ class Dtypes:
 # grads D2H, master/moments on host, CPU AdamW, new copy H2D once a step; stream = compute copy
 # streamed from pinned host every pass, grads D2H, CPU AdamW.
 MODES = ("gpu", "host_opt", "stream")
-# activation modes of a block: keep = saved tensors stay on the GPU; recompute = only its inputs
-# stay, its forward runs again in the backward; offload = saved tensors go to pinned host memory
-# and come back ahead of its backward (runtime.activations)
-ACT_MODES = ("keep", "recompute", "offload")
+# activation modes of a block: keep = saved tensors stay on the GPU; selective = its inputs and the
+# outputs of its matmuls and attention stay, the rest of its forward runs again in the backward
+# (runtime.selective); recompute = only its inputs stay, its whole forward runs again in the
+# backward; offload = saved tensors go to pinned host memory and come back ahead of its backward
+# (runtime.activations)
+ACT_MODES = ("keep", "selective", "recompute", "offload")
 
 
 # what the engine holds on the GPU for its whole life, by kind (OffloadEngine.memory_report
@@ -227,6 +229,27 @@ def _flow(jobs, depth, gates=None):
     return max(f_c, f_d, f_e)
 
 
+def kept_bytes(u: UnitCosts, act: str) -> int:
+    """Bytes a block in activation mode `act` keeps on the GPU from its forward to its backward
+    (measured micro-batch)."""
+    if act == "keep":
+        return u.act_keep_bytes
+    if act == "selective":
+        return u.act_select_bytes if u.act_select_bytes is not None else u.act_keep_bytes
+    if act == "recompute":
+        return u.act_recompute_bytes
+    return 0  # offload
+
+
+def selective_recompute_s(u: UnitCosts, prof: HardwareProfile, scale: float) -> float:
+    """Seconds the backward spends recomputing a selective block's non-matmul ops (norms, rotary,
+    activation functions): memory-bound, approximated as writing and reading back the saved
+    tensors it does not keep at the HBM rate."""
+    if u.act_select_bytes is None:
+        return 0.0
+    return scale * 2 * max(0, u.act_keep_bytes - u.act_select_bytes) / (prof.hbm_gbps * 1e9)
+
+
 def offload_bytes(u: UnitCosts) -> int:
     """Bytes a block's offloaded activations take on the host and cross PCIe each way (measured
     micro-batch)."""
@@ -315,8 +338,7 @@ def activation_memory(costs: ModelCosts, dt: Dtypes, layer_acts, depth: int, mic
     scale = micro_batch / costs.micro_batch
     layers, outer = costs.layers, costs.outer
     # what stays on the GPU from the forward to the backward: an offloaded block's nothing
-    layer_act = [scale * (u.act_keep_bytes if a == "keep" else u.act_recompute_bytes if a == "recompute" else 0)
-                 for u, a in zip(layers, layer_acts)]
+    layer_act = [scale * kept_bytes(u, a) for u, a in zip(layers, layer_acts)]
     act = sum(layer_act) + scale * outer.act_keep_bytes
     # offloaded blocks' GPU copies in flight (runtime.activations): in the forward the last two
     # offloaded blocks' until the later one ends, the last one's through the head and loss; in
@@ -339,7 +361,7 @@ def activation_memory(costs: ModelCosts, dt: Dtypes, layer_acts, depth: int, mic
         peak = max(peak, act + max(a + b for a, b in zip(offloaded, offloaded[1:])))
     for k, (l, a, la) in enumerate(zip(layers, layer_acts, layer_act)):
         kept += la
-        if a == "recompute":
+        if a in ("recompute", "selective"):  # the backward holds the block's whole saved set again
             t = l.bwd_peak_bytes or l.act_keep_bytes + 2 * l.max_saved_bytes
         else:
             t = 2 * l.max_saved_bytes
@@ -467,7 +489,9 @@ def predict(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, layer_modes, l
             d = sn[k] * wire[k] if sends else 0
             h2d_bytes += b
             d2h_bytes += d
-            ct = times[k][1] + (times[k][0] if acts[k] == "recompute" else 0.0) + add_t[k]
+            redo = times[k][0] if acts[k] == "recompute" else \
+                selective_recompute_s(units[k], prof, scale) if acts[k] == "selective" else 0.0
+            ct = times[k][1] + redo + add_t[k]
             compute += ct
             bw.append((0.0, b / h2d_bwd + (ag_s[k] if refetch else 0.0), ct + rs_s[k], d / d2h_bwd, acc_s(k, r)))
         phases.append(_flow(bw, depth))

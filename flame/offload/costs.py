@@ -20,9 +20,12 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
 from flame.components.chunked_loss import chunked_head_loss, install_chunked_head, take_chunked_loss
+from flame.offload.runtime.selective import SAVED_OPS
 
 
 @dataclass
@@ -49,6 +52,9 @@ class UnitCosts:
     """[forward, backward] seconds of this unit at this micro-batch, timed on the device before the
     run (calibration.measure_block_fudges times the outer: its loss runs far below GEMM rate). When
     set, the cost model uses them instead of FLOPs at the profile's rate."""
+    act_select_bytes: int | None = None
+    """Bytes kept under selective recompute (runtime.selective): the block's inputs and the outputs
+    of its matmuls and attention. None: not measured (the mode is not offered)."""
     act_offload_bytes: int | None = None
     """Bytes copied to the host when the block's activations are offloaded: every distinct saved
     floating-point tensor (views copied compactly, so views of one base count each), weights
@@ -138,6 +144,7 @@ class _Recorder:
         self.param_ids = {id(p) for p in model.parameters()}
         self.saved: dict[str, dict[int, int]] = {}
         self.views: dict[str, dict[tuple, int]] = {}  # distinct floating-point saved tensors
+        self.selected: dict[str, int] = {}  # output bytes of the ops selective recompute keeps
         self.max_saved: dict[str, int] = {}
         self.inputs: dict[str, int] = {}
         self.attn: dict[str, float] = {}
@@ -161,7 +168,26 @@ class _Recorder:
         # useful FLOPs: QK^T and PV, 2*tq*tk*d each; causal LMs mask half of the scores
         causal = 0.5 if (is_causal or attn_mask is not None) and tq == tk else 1.0
         self.attn[self.current] = self.attn.get(self.current, 0.0) + 4.0 * b * h * tq * tk * d * causal
+        # a fused attention kernel's outputs (kept by selective recompute): out and the fp32 logsumexp
+        self.select(q.numel() * q.element_size() + b * h * tq * 4)
         return _FlashLike.apply(q, k, v)
+
+    def select(self, nbytes: int) -> None:
+        self.selected[self.current] = self.selected.get(self.current, 0) + nbytes
+
+
+class _SelectedOutputs(TorchDispatchMode):
+    """Charges the outputs of the ops selective recompute keeps (matmuls) to the running block."""
+
+    def __init__(self, rec: _Recorder):
+        super().__init__()
+        self.rec = rec
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in SAVED_OPS and self.rec.current != "outer":
+            self.rec.select(sum(t.numel() * t.element_size() for t in tree_leaves(out) if isinstance(t, torch.Tensor)))
+        return out
 
 
 def _role(name: str) -> str:
@@ -204,7 +230,7 @@ def measure_costs(model: nn.Module, micro_batch: int, seq_len: int, loss: bool =
     torch.nn.functional.scaled_dot_product_attention = rec.sdpa
     fc = FlopCounterMode(display=False)
     try:
-        with fc, torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t):
+        with fc, _SelectedOutputs(rec), torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t):
             # HF's no-cache path inspects position ids (data-dependent, impossible on meta), so
             # ask for a cache: it only holds references to k/v, no extra saved tensors
             with chunked:
@@ -245,6 +271,7 @@ def measure_costs(model: nn.Module, micro_batch: int, seq_len: int, loss: bool =
         layer_flops += f
         units.append(UnitCosts(n, "layer", sum(p.numel() for p in b.parameters()), roles, f, rec.attn.get(n, 0.0),
                                sum(rec.saved.get(n, {}).values()), rec.inputs.get(n, 0), rec.max_saved.get(n, 0),
+                               act_select_bytes=rec.inputs.get(n, 0) + rec.selected.get(n, 0),
                                act_offload_bytes=sum(rec.views.get(n, {}).values())))
     block_ids = {id(p) for p in blocks.parameters()}
     roles = {}

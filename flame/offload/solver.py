@@ -54,6 +54,8 @@ class Plan:
     activation_offload: bool = False
     """Whether the solver could choose to offload blocks' activations (offload.activation_offload);
     the calibration's re-solve keeps the same choice."""
+    selective_recompute: bool = True
+    """Whether the solver could choose selective recompute (offload.selective_recompute)."""
 
     @property
     def offloads(self) -> bool:
@@ -116,7 +118,8 @@ def _parse_overrides(overrides: list[str], n: int) -> dict:
                 raise ConfigError(f"offload.overrides entry {item!r}: block index out of 0..{n - 1}")
             table = {"weights": ("mode", {"gpu": "gpu", "host": "stream", "resident": "host_opt"}),
                      "optimizer": ("mode", {"gpu": "gpu", "cpu": "host_opt"}),
-                     "activations": ("act", {"keep": "keep", "recompute": "recompute", "offload": "offload"})}
+                     "activations": ("act", {"keep": "keep", "selective": "selective", "recompute": "recompute",
+                                             "offload": "offload"})}
             if name not in table or v not in table[name][1]:
                 raise ConfigError(f"offload.overrides entry {item!r}: unknown key or value")
             kind, vals = table[name]
@@ -140,9 +143,10 @@ def _apply(layer_modes, layer_acts, ov):
 def solve(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, gpu_budget: int, host_budget: int,
           micro_batch: int, rounds: int, cpu_threads: int, depths=(1, 2, 3), overrides: list[str] | None = None,
           allow_offload: bool = True, fudge: float = 1.0, world: int = 1, node_ranks: int = 1,
-          offload_activations: bool = False) -> Plan:
+          offload_activations: bool = False, selective_recompute: bool = True) -> Plan:
     """The fastest plan whose predicted peak GPU and host bytes fit the budgets
-    (`offload_activations`: whether blocks may offload their activations to the host).
+    (`offload_activations`: whether blocks may offload their activations to the host;
+    `selective_recompute`: whether blocks may keep their matmul outputs and recompute the rest).
 
     Raises ConfigError naming what is missing when nothing fits (before anything is allocated)."""
     n = len(costs.layers)
@@ -157,6 +161,9 @@ def solve(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, gpu_budget: int,
     splits = [(g, h, n - g - h) for g in range(n + 1) for h in range(n + 1 - g)] if allow_offload else [(n, 0, 0)]
     offload_counts = _offload_counts(costs, prof, micro_batch) if allow_offload and offload_activations else [0]
     act_memory = {}
+    # selective recompute is offered where the measured block keeps less under it than in full
+    selective = selective_recompute and all(u.act_select_bytes is not None and u.act_select_bytes < u.act_keep_bytes
+                                            for u in costs.layers)
     for g, h, s in splits:
         base_modes, _ = _apply(spread(n, {"gpu": g, "host_opt": h, "stream": s}), ["keep"] * n, ov)
         for outer in outers:
@@ -166,10 +173,18 @@ def solve(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, gpu_budget: int,
                         fits_gpu = False
                         state = state_memory(costs, dt, base_modes, outer, depth, rounds, accs, outer_acc, world)
                         for o in offload_counts:
-                            # o blocks offload their activations; of the others, the fewest
-                            # recomputed that fit: bisect over k (memory falls as k grows)
-                            def at(k, o=o):
-                                acts = spread(n, {"offload": o, "recompute": k, "keep": n - o - k})
+                            # o blocks offload their activations; the others step down a ladder
+                            # keep -> selective -> recompute, one block a level (memory falls and
+                            # time grows along it): the lowest level that fits, by bisection
+                            m = n - o
+
+                            def at(k, o=o, m=m):
+                                if not selective:
+                                    sel, rec = 0, k
+                                else:
+                                    sel, rec = (k, 0) if k <= m else (2 * m - k, k - m)
+                                acts = spread(n, {"offload": o, "recompute": rec, "selective": sel,
+                                                  "keep": m - rec - sel})
                                 return _apply(list(base_modes), acts, ov)
 
                             def memory(k):
@@ -179,7 +194,7 @@ def solve(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, gpu_budget: int,
                                     act_memory[key] = activation_memory(costs, dt, acts, depth, micro_batch)
                                 return combine_memory(state, act_memory[key])
 
-                            lo, hi = 0, n - o
+                            lo, hi = 0, 2 * m if selective else m
                             m_hi = memory(hi)
                             pg, ph = m_hi.gpu_bytes, m_hi.host_bytes
                             min_gpu = pg if min_gpu is None else min(min_gpu, pg)
@@ -202,7 +217,8 @@ def solve(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, gpu_budget: int,
                                             asdict(dt), gpu_budget, host_budget,
                                             _pred_dict(p, costs, micro_batch, rounds, prof), layer_gpu_acc=accs,
                                             outer_gpu_acc=outer_acc, world=world, node_ranks=node_ranks,
-                                            activation_offload=offload_activations)
+                                            activation_offload=offload_activations,
+                                            selective_recompute=selective_recompute)
                                 best = (p.step_s, plan)
                             if lo == 0:
                                 break  # nothing recomputed: offloading more only adds copies
@@ -337,8 +353,9 @@ def describe(plan: Plan, costs: ModelCosts) -> str:
         lines.append(f"  blocks {i}-{j}: {names[plan.layer_modes[i]]}; activations {plan.layer_acts[i]}{acc}")
         i = j + 1
     c = {m: plan.layer_modes.count(m) for m in ("gpu", "host_opt", "stream")}
-    lines.append(f"  counts: {c}, recomputed {plan.layer_acts.count('recompute')}, activations offloaded "
-                 f"{plan.layer_acts.count('offload')}, GPU grad accumulators {sum(accs[1:])}")
+    lines.append(f"  counts: {c}, recomputed {plan.layer_acts.count('recompute')}, selectively recomputed "
+                 f"{plan.layer_acts.count('selective')}, activations offloaded {plan.layer_acts.count('offload')}, "
+                 f"GPU grad accumulators {sum(accs[1:])}")
     lines.append(f"  predicted step {pr['step_s'] * 1e3:.1f} ms, {pr['tokens_per_s']:.0f} tokens/s, MFU {100 * pr['mfu']:.1f}% "
                  f"({pr['useful_tflops']:.0f} TFLOP/s useful)")
     lines.append(f"  peak GPU {pr['peak_gpu_bytes'] / GiB:.2f} GiB of {plan.gpu_budget_bytes / GiB:.2f}; host "

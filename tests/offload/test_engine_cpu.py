@@ -487,3 +487,46 @@ def test_host_activations_restore_each_layout():
         r = acts.unpack(h[2])
         assert torch.equal(r, t) and r.dtype == t.dtype
         assert r.stride() == t.stride() if dense_strides(t) is not None else r.is_contiguous()
+
+
+@pytest.mark.parametrize("rounds", [1, 2])
+def test_selective_recompute_bit_identical_to_kept(rounds):
+    """Blocks under selective recompute (matmul outputs kept, the rest recomputed in the backward)
+    mixed with kept, recomputed and offloaded ones: the losses and weights of keeping everything."""
+    b = batches(3, rounds, seed=9)
+    modes = ["stream", "host_opt", "gpu", "stream"]
+    want, e1 = run_engine(tiny(seed=10), plan(modes, ["keep"] * 4, "host_opt", rounds), b, rounds, max_norm=0.5)
+    sel = plan(modes, ["selective", "recompute", "selective", "offload"], "host_opt", rounds)
+    got, e2 = run_engine(tiny(seed=10), sel, b, rounds, max_norm=0.5)
+    assert got == want
+    for k, v in e1.model_state_dict().items():
+        assert torch.equal(e2.model_state_dict()[k], v), k
+
+
+def test_selective_checkpoint_keeps_only_matmul_outputs():
+    """Under the selective policy the backward recomputes the elementwise ops, not the matmuls."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from flame.offload.runtime.selective import selective_checkpoint
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func)
+            return func(*args, **(kwargs or {}))
+
+    lin = torch.nn.Linear(8, 8, bias=False)
+    x = torch.randn(4, 8, requires_grad=True)
+    def f(t):
+        h = lin(t)
+        return torch.nn.functional.silu(h) * h  # the product's backward needs silu's output
+
+    y = selective_checkpoint(f, x)
+    with Count() as c:
+        y.sum().backward()
+    names = [str(f) for f in c.ops]
+    assert any("silu.default" in n for n in names)  # recomputed
+    assert sum("aten.mm.default" in n for n in names) == 2  # dX and dW only, no forward matmul again

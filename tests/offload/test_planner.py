@@ -649,3 +649,32 @@ def test_cpu_optimizer_slowed_by_activations_sharing_host_memory():
     # first pass: CPU step, H2D 2 GB at the shared 35 GB/s, compute; the D2H 10 GB at 35 GB/s after
     first = max(alone + 2e9 / 35e9 + 1e12 / 500e12, alone + 2e9 / 35e9 + 1e12 / 500e12 + 1e10 / 35e9)
     assert off.cpu_s == pytest.approx(alone * 112e9 / (112e9 - 1e10 / first))
+
+
+def test_selective_recompute_by_hand_and_in_the_solver(costs):
+    """A selective block keeps its inputs and matmul/attention outputs (measured on meta, between
+    recompute and keep) and its backward redoes the rest at HBM speed: 2 x (keep - select) bytes.
+    The solver steps blocks down keep -> selective -> recompute: at a budget between, it uses
+    selective blocks and predicts a faster step than recomputing only."""
+    from flame.offload.cost_model import predict_memory, selective_recompute_s
+
+    l0 = costs.layers[0]
+    assert l0.act_recompute_bytes < l0.act_select_bytes < l0.act_keep_bytes
+    p, n = prof(), len(costs.layers)
+    assert selective_recompute_s(l0, p, 1.0) == pytest.approx(2 * (l0.act_keep_bytes - l0.act_select_bytes) / 2000e9)
+    args = (["stream"] * n,)
+    sel = predict(costs, p, Dtypes(), *args, ["selective"] * n, "gpu", 1, 2, 1, 15)
+    rec = predict(costs, p, Dtypes(), *args, ["recompute"] * n, "gpu", 1, 2, 1, 15)
+    keep = predict(costs, p, Dtypes(), *args, ["keep"] * n, "gpu", 1, 2, 1, 15)
+    assert sel.activation_bytes - rec.activation_bytes == n * (l0.act_select_bytes - l0.act_recompute_bytes)
+    assert keep.step_s < sel.step_s < rec.step_s
+    assert sel.compute_s - keep.compute_s == pytest.approx(n * selective_recompute_s(l0, p, 1.0))
+    # a budget that holds every block selective but not every block kept
+    budget = (predict_memory(costs, Dtypes(), *args, ["selective"] * n, "gpu", 1, 2, 1).gpu_bytes
+              + predict_memory(costs, Dtypes(), *args, ["keep"] * n, "gpu", 1, 2, 1).gpu_bytes) // 2
+    plan = solve(costs, p, Dtypes(), budget, 64 * GiB, 2, 1, 15, depths=(1,), overrides=["weights[*]=host"])
+    assert "selective" in plan.layer_acts and plan.predicted["peak_gpu_bytes"] <= budget
+    only_rec = solve(costs, p, Dtypes(), budget, 64 * GiB, 2, 1, 15, depths=(1,),
+                     overrides=["weights[*]=host"] + [f"activations[{i}]={a}" for i, a in enumerate(
+                         ["keep" if a == "keep" else "recompute" for a in plan.layer_acts])])
+    assert plan.predicted["step_s"] < only_rec.predicted["step_s"]

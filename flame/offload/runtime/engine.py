@@ -48,6 +48,7 @@ from flame.offload.costs import find_blocks
 from flame.offload.runtime.activations import HostActivations
 from flame.offload.runtime.collectives import all_gather_flat, comm_device, multi_rank, native, reduce_scatter_flat
 from flame.offload.runtime.host_math import HostMath
+from flame.offload.runtime.selective import selective_checkpoint
 from flame.offload.runtime.state_dict import EngineStateDict
 from flame.offload.runtime.streams import PIN_PIECE_BYTES, Streams, copy_pieces, register_pinned, unregister_pinned
 from flame.offload.runtime.units import Unit, _same, _Slot
@@ -58,6 +59,17 @@ TOO_MANY_ROUNDS = ("offload: the plan has {} micro-batch(es) per step but the tr
 SWITCH_INTERVAL_S = 1e-4
 CONV_CHUNK = 1 << 25  # elements per GPU conversion chunk (128 MiB in fp32)
 DT = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def _no_cache(kwargs: dict) -> dict:
+    """A checkpointed block's keyword arguments without a KV cache: its forward runs again in the
+    backward and would append to the cache twice (HF models pass one when `use_cache` is on;
+    training never reads it). Selective recompute refuses the second forward's different ops."""
+    if kwargs.get("past_key_values") is not None or kwargs.get("use_cache"):
+        kwargs = {**kwargs, "past_key_values": None}
+        if "use_cache" in kwargs:
+            kwargs["use_cache"] = False
+    return kwargs
 
 
 class OffloadEngine(EngineStateDict):
@@ -320,7 +332,11 @@ class OffloadEngine(EngineStateDict):
             h += [b.register_forward_pre_hook(self._block_pre(u, i, n)), b.register_forward_hook(self._block_post(u))]
             if u.act == "recompute":
                 orig = b.forward
-                b.forward = lambda *a, _f=orig, **k: checkpoint(_f, *a, use_reentrant=False, **k)
+                b.forward = lambda *a, _f=orig, **k: checkpoint(_f, *a, use_reentrant=False, **_no_cache(k))
+                self._wrapped.append(b)
+            elif u.act == "selective":
+                orig = b.forward
+                b.forward = lambda *a, _f=orig, **k: selective_checkpoint(_f, *a, **_no_cache(k))
                 self._wrapped.append(b)
         for u in self.units:
             for _, p in u.params:
