@@ -65,11 +65,12 @@ def _no_cache(kwargs: dict) -> dict:
     """A checkpointed block's keyword arguments without a KV cache: its forward runs again in the
     backward and would append to the cache twice (HF models pass one when `use_cache` is on;
     training never reads it). Selective recompute refuses the second forward's different ops."""
-    if kwargs.get("past_key_values") is not None or kwargs.get("use_cache"):
-        kwargs = {**kwargs, "past_key_values": None}
-        if "use_cache" in kwargs:
-            kwargs["use_cache"] = False
-    return kwargs
+    out = dict(kwargs)
+    if out.get("past_key_values") is not None:
+        out["past_key_values"] = None
+    if out.get("use_cache"):
+        out["use_cache"] = False
+    return out
 
 
 class OffloadEngine(EngineStateDict):
