@@ -256,6 +256,13 @@ def offload_bytes(u: UnitCosts) -> int:
     return u.act_offload_bytes if u.act_offload_bytes is not None else u.act_keep_bytes
 
 
+def duplex_shares(prof: HardwareProfile) -> tuple[float, float]:
+    """(H2D, D2H) bytes/s while both directions are busy: the measured duplex rate split in the
+    ratio of the one-way rates."""
+    share = prof.duplex_gbps * 1e9 / (prof.h2d_gbps + prof.d2h_gbps)
+    return share * prof.h2d_gbps, share * prof.d2h_gbps
+
+
 def adam_traffic_bytes(dt: Dtypes) -> int:
     """Host memory bytes the fused AdamW moves per parameter: reads the grad, reads and writes the
     master and both moments."""
@@ -400,9 +407,7 @@ def predict(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, layer_modes, l
     # the fused CPU AdamW's rate for the master dtype (its moments take that dtype)
     cpu_rate = prof.cpu_adam_rate(cpu_threads, node_ranks, dt.master)
     h2d = prof.h2d_gbps * 1e9
-    share = prof.duplex_gbps * 1e9
-    h2d_bwd = share * prof.h2d_gbps / (prof.h2d_gbps + prof.d2h_gbps)
-    d2h_bwd = share * prof.d2h_gbps / (prof.h2d_gbps + prof.d2h_gbps)
+    h2d_bwd, d2h_bwd = duplex_shares(prof)
     memcpy = prof.host_memcpy_gbps * 1e9
 
     units = [outer] + list(layers)

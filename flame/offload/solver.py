@@ -4,11 +4,12 @@ Search (exact for the cost model, given its placement rule): for identical decod
 the number of blocks in each mode matters up to placement, so every split
 (n_gpu, n_host_opt, n_stream) is enumerated for each outer mode and prefetch depth; for each,
 and each count of blocks offloading their activations (`_offload_counts`, only with
-offload_activations), the fewest recomputed blocks that fit the GPU budget is found by bisection
-(recomputing more only adds compute). The memory of a placement and of a set of activation modes
-are computed apart and cached: the same activation modes recur in every split. Placement rule (the approximation): modes and recompute are spread evenly
-over the blocks (Bresenham), so streamed blocks interleave with resident ones and their copies
-hide behind resident compute. Every candidate's time comes from `cost_model.predict`. Because
+offload_activations), the other blocks step down a ladder keep -> selective -> recompute (memory
+falls, compute grows along it) and the lowest level that fits the GPU budget is found by
+bisection. The memory of a placement and of a set of activation modes are computed apart and
+cached: the same activation modes recur in every split. Placement rule (the approximation):
+modes and activation modes are spread evenly over the blocks (Bresenham), so streamed blocks
+interleave with resident ones and their copies hide behind resident compute. Every candidate's time comes from `cost_model.predict`. Because
 the minimum is over a set that only grows with the GPU budget, more GPU memory never predicts
 a slower step.
 """
@@ -20,8 +21,8 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from flame.errors import ConfigError
-from flame.offload.cost_model import (Dtypes, Prediction, activation_memory, combine_memory, effective_accs,
-                                      offload_bytes, predict, state_memory, unit_times)
+from flame.offload.cost_model import (Dtypes, Prediction, activation_memory, combine_memory, duplex_shares,
+                                      effective_accs, offload_bytes, predict, state_memory, unit_times)
 from flame.offload.costs import ModelCosts
 from flame.offload.profile import HardwareProfile
 
@@ -278,7 +279,7 @@ def _offload_counts(costs: ModelCosts, prof: HardwareProfile, micro_batch: int) 
     scale = micro_batch / costs.micro_batch
     u = layers[0]
     fwd = unit_times(u, prof, scale)[0]
-    d2h = scale * offload_bytes(u) / (prof.duplex_gbps * 1e9 * prof.d2h_gbps / (prof.h2d_gbps + prof.d2h_gbps))
+    d2h = scale * offload_bytes(u) / duplex_shares(prof)[1]
     cap = n if d2h <= 0 else min(n, math.ceil(n * fwd / d2h))
     step = max(1, n // 8)
     return sorted(set(range(0, cap + 1, step)) | {cap})

@@ -37,6 +37,7 @@ import time
 import weakref
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import torch
 import torch.nn as nn
@@ -331,13 +332,10 @@ class OffloadEngine(EngineStateDict):
         for i, b in enumerate(self.blocks):
             u = self.units[i + 1]
             h += [b.register_forward_pre_hook(self._block_pre(u, i, n)), b.register_forward_hook(self._block_post(u))]
-            if u.act == "recompute":
-                orig = b.forward
-                b.forward = lambda *a, _f=orig, **k: checkpoint(_f, *a, use_reentrant=False, **_no_cache(k))
-                self._wrapped.append(b)
-            elif u.act == "selective":
-                orig = b.forward
-                b.forward = lambda *a, _f=orig, **k: selective_checkpoint(_f, *a, **_no_cache(k))
+            ckpt = {"recompute": partial(checkpoint, use_reentrant=False),
+                    "selective": selective_checkpoint}.get(u.act)
+            if ckpt is not None:
+                b.forward = lambda *a, _f=b.forward, _c=ckpt, **k: _c(_f, *a, **_no_cache(k))
                 self._wrapped.append(b)
         for u in self.units:
             for _, p in u.params:
