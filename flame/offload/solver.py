@@ -9,9 +9,9 @@ falls, compute grows along it) and the lowest level that fits the GPU budget is 
 bisection. The memory of a placement and of a set of activation modes are computed apart and
 cached: the same activation modes recur in every split. Placement rule (the approximation):
 modes and activation modes are spread evenly over the blocks (Bresenham), so streamed blocks
-interleave with resident ones and their copies hide behind resident compute. Every candidate's time comes from `cost_model.predict`. Because
-the minimum is over a set that only grows with the GPU budget, more GPU memory never predicts
-a slower step.
+interleave with resident ones and their copies hide behind resident compute. Every candidate's
+time comes from `cost_model.predict`. Because the minimum is over a set that only grows with the
+GPU budget, more GPU memory never predicts a slower step.
 """
 
 from __future__ import annotations
