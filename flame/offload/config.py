@@ -93,7 +93,7 @@ class Offload:
     """Per-decision overrides for experts, comma-separated `key=value`, block index ranges allowed:
     `weights[i-j]=gpu|host|resident` (host = streamed with grads/optimizer on the host,
     resident = weights on GPU with the optimizer on the CPU), `optimizer[*]=gpu|cpu`,
-    `activations[*]=keep|recompute|offload`, `prefetch=2`, `outer=gpu|host_opt`."""
+    `activations[*]=keep|selective|recompute|offload`, `prefetch=2`, `outer=gpu|host_opt`."""
 
     def depths(self) -> tuple[int, ...]:
         """The prefetch depths the solver may choose: the fixed one, or 1-3."""
