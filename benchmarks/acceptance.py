@@ -1,0 +1,338 @@
+"""The commands users run, through ``bash train.sh``, on this machine's GPU(s).
+
+Every row is a real command line: flame's shipped TOML and configs at their real size, with the
+bundled corpus and tokenizer in place of hub datasets and tokenizers (the machine is offline),
+fewer steps, no hub upload. Each row runs in its own process group with a wall cap. Per row:
+exit code, seconds from launch to the first finished step, steady tokens/s (median of the
+second half of the logged steps), peak reserved GPU memory (``torch.cuda.max_memory_reserved``,
+logged by the trainer at every step), loss at the first and last step, and the number of
+recompilations (``TORCH_LOGS=recompiles``).
+
+usage:
+    python benchmarks/acceptance.py OUT.json [--rows a,b,...] [--groups g,...] [--steps N] [--budget_s S]
+    python benchmarks/acceptance.py --list
+    python benchmarks/acceptance.py --markdown OUT.json     # the table of a result file
+
+Rows that do not fit the budget are recorded as not run, never dropped.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOML = os.path.join(ROOT, "flame/models/fla.toml")
+TOKENIZER = os.path.join(ROOT, "flame/assets/tokenizer")
+CORPUS = os.path.join(ROOT, "flame/assets/sample_corpus")
+
+
+@dataclass
+class Row:
+    name: str
+    group: str
+    what: str
+    args: list[str]
+    steps: int
+    cap_s: int
+    env: dict = field(default_factory=dict)
+    config_edit: dict | None = None  # model JSON keys replaced in a copy of --model.config
+
+
+def _cfg(name: str) -> str:
+    return os.path.join(ROOT, "configs", f"{name}.json")
+
+
+def flame_readme(steps: int) -> list[str]:
+    """fla-org/flame's README command (transformer 340M, 64K-token varlen rows)."""
+    return [
+        "--job.config_file", TOML, "--model.config", _cfg("transformer_340M"), "--model.tokenizer_path", TOKENIZER,
+        "--optimizer.name", "AdamW", "--optimizer.eps", "1e-15", "--optimizer.lr", "1e-3",
+        "--lr_scheduler.warmup_steps", "1024", "--lr_scheduler.lr_min", "0.1", "--lr_scheduler.decay_type", "cosine",
+        "--training.batch_size", "1", "--training.seq_len", "65536", "--training.context_len", "4096",
+        "--training.varlen", "--training.gradient_accumulation_steps", "1", "--training.steps", str(steps),
+        "--training.max_norm", "1.0", "--training.skip_nan_inf", "--training.dataset", CORPUS,
+        "--training.streaming", "--training.num_workers", "32", "--training.prefetch_factor", "2",
+        "--training.seed", "42", "--training.compile", "--checkpoint.interval", "2048", "--checkpoint.load_step", "-1",
+        "--checkpoint.keep_latest_k", "2", "--metrics.log_freq", "1",
+    ]
+
+
+def softpick_paper(config: str, steps: int, compile_: bool = True) -> list[str]:
+    """The softpick paper's command (340M, batch 16 x 4096, FSDP over all GPUs)."""
+    return [
+        "--job.config_file", TOML, "--model.config", config, "--model.tokenizer_path", TOKENIZER,
+        "--optimizer.eps", "1e-15", "--optimizer.lr", "3e-4",
+        "--lr_scheduler.warmup_steps", "1024", "--lr_scheduler.lr_min", "0.1", "--lr_scheduler.decay_type", "cosine",
+        "--training.batch_size", "16", "--training.seq_len", "4096", "--training.gradient_accumulation_steps", "1",
+        "--training.steps", str(steps), "--training.max_norm", "1.0", "--training.skip_nan_inf",
+        "--training.dataset", CORPUS, "--training.num_workers", "32", "--training.prefetch_factor", "2",
+        "--training.seed", "79", *(["--training.compile"] if compile_ else []),
+        "--checkpoint.interval", "8192", "--checkpoint.load_step", "-1",
+        "--metrics.log_freq", "1", "--comm.init_timeout_seconds", "600", "--comm.train_timeout_seconds", "600",
+        "--training.data_parallel_replicate_degree", "1", "--training.data_parallel_shard_degree", "-1",
+        "--training.tensor_parallel_degree", "1",
+    ]
+
+
+def config_run(config: str, steps: int, batch: int, seq: int, extra: tuple = ()) -> list[str]:
+    """A model JSON at its real size with flame's defaults (compile on, no checkpoints)."""
+    return [
+        "--job.config_file", TOML, "--model.config", config, "--model.tokenizer_path", TOKENIZER,
+        "--training.dataset", CORPUS, "--training.batch_size", str(batch), "--training.seq_len", str(seq),
+        "--training.steps", str(steps), "--training.num_workers", "4", "--training.compile",
+        "--optimizer.lr", "1e-3", "--lr_scheduler.warmup_steps", "5", "--metrics.log_freq", "1",
+        "--checkpoint.no-enable-checkpoint", "--checkpoint.no-export-hf", *extra,
+    ]
+
+
+# attn_impl values of the README's table, run on the 340M transformer
+ATTN_IMPLS = ["sdpa", "flex", "fla", "parallel_attn", "parallel_softpick_attn", "parallel_rectified_attn",
+              "scaled_sdpa", "parallel_scaled_attn", "parallel_scaled_softpick_attn",
+              "parallel_scaled_rectified_attn", "naive"]
+
+# model JSONs up to 1B (batch x seq that the README's tables show fitting one 80 GB GPU, with AC where needed)
+CONFIGS_UP_TO_1B = [
+    "transformer_340M", "llama_340M", "qwen3_340M", "gla_340M", "delta_net_340M", "gated_deltanet_340M",
+    "gsa_340M", "hgrn2_340M", "mamba_340M", "mamba2_340M", "retention_lm_340M", "softpick_transformer_120M",
+    "vanilla_transformer_120M", "transformer_1B", "llama_1B", "qwen3_1B", "gla_1B", "delta_net_1B",
+    "gated_deltanet_1B", "gsa_1B", "mamba_1B", "mamba2_1B", "samba_1B", "softpick_transformer_1B",
+    "vanilla_transformer_1B",
+]
+CONFIGS_7B = ["transformer_7B", "softpick_transformer_7B", "vanilla_transformer_7B", "gla_7B"]
+
+
+def all_rows(steps: int) -> list[Row]:
+    rows = [Row("smoke_tiny", "smoke", "configs/debug/transformer_tiny.json, 8 x 256 (checks the harness; runs on CPU)",
+                config_run(_cfg("debug/transformer_tiny"), steps, 8, 256, ("--training.no-compile",
+                                                                         "--training.mixed_precision_param", "float32")),
+                steps, 180)]
+    rows += [Row("flame_readme", "readme", "fla-org/flame README: transformer_340M, 1 x 65536 varlen, context 4096, compile",
+                flame_readme(steps), steps, 420)]
+    for name, cfg in [("vanilla", "vanilla_transformer_340M"), ("softpick", "softpick_transformer_340M"),
+                      ("rectified", "rectified_transformer_340M"), ("scaled_softpick", "scaled_softpick_transformer_340M")]:
+        rows.append(Row(f"paper_{name}", "paper", f"softpick paper: {cfg}, 16 x 4096, compile",
+                        softpick_paper(_cfg(cfg), steps), steps, 300))
+    rows.append(Row("paper_sdpa", "paper", "softpick paper command on softpick_transformer_340M with attn_impl sdpa (speed reference)",
+                    softpick_paper(_cfg("softpick_transformer_340M"), steps), steps, 300,
+                    config_edit={"attn_impl": "sdpa"}))
+    rows.append(Row("paper_softpick_eager", "paper", "softpick paper: softpick_transformer_340M, 16 x 4096, no compile",
+                    softpick_paper(_cfg("softpick_transformer_340M"), steps, compile_=False), steps, 300))
+    for impl in ATTN_IMPLS:
+        for comp in (True, False):
+            args = config_run(_cfg("softpick_transformer_340M"), steps, 4, 4096)
+            if not comp:
+                args.remove("--training.compile")
+            rows.append(Row(f"attn_{impl}{'' if comp else '_eager'}", "attn",
+                            f"340M transformer, attn_impl {impl}, 4 x 4096, {'compile' if comp else 'eager'}",
+                            args, steps, 240, config_edit={"attn_impl": impl}))
+    for name in CONFIGS_UP_TO_1B:
+        big = name.endswith("1B")
+        extra = ("--activation_checkpoint.mode", "full") if big else ()
+        rows.append(Row(f"config_{name}", "configs", f"{name}, {'4' if big else '8'} x 2048, compile",
+                        config_run(_cfg(name), steps, 4 if big else 8, 2048, extra), steps, 300))
+    for name in CONFIGS_7B:
+        rows.append(Row(f"config_{name}_offload", "offload", f"{name}, 2 x 2048, --offload.enable auto",
+                        config_run(_cfg(name), steps, 2, 2048, ("--offload.enable", "auto",
+                                                                 "--activation_checkpoint.mode", "full")),
+                        steps, 420))
+    return rows
+
+
+def _model_config(args: list[str]) -> str:
+    return args[args.index("--model.config") + 1]
+
+
+def _with_config(args: list[str], path: str) -> list[str]:
+    out = list(args)
+    out[out.index("--model.config") + 1] = path
+    return out
+
+
+def _records(path: str) -> list[dict]:
+    if not os.path.isfile(path):
+        return []
+    out = []
+    with open(path) as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:  # a line being written
+                continue
+            if "loss" in rec:
+                out.append(rec)
+    return out
+
+
+def run_row(row: Row, runs: str, cap_s: float) -> dict:
+    dump = os.path.join(runs, row.name)
+    shutil.rmtree(dump, ignore_errors=True)
+    os.makedirs(dump)
+    args = list(row.args)
+    if row.config_edit:
+        with open(_model_config(args)) as f:
+            cfg = json.load(f)
+        cfg.update(row.config_edit)
+        path = os.path.join(dump, "model_config.json")
+        with open(path, "w") as f:
+            json.dump(cfg, f, indent=1)
+        args = _with_config(args, path)
+    args += ["--job.dump_folder", dump]
+    cmd = ["bash", os.path.join(ROOT, "train.sh"), *args]
+    env = dict(os.environ, TORCH_LOGS="recompiles", PYTHON=sys.executable, PYTHONUNBUFFERED="1", **row.env)
+    log_path = os.path.join(dump, "console.log")
+    metrics = os.path.join(dump, "metrics.jsonl")
+    start = time.perf_counter()
+    first_step_s = None
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        rc = None
+        while rc is None:
+            time.sleep(0.5)
+            rc = proc.poll()
+            if first_step_s is None and _records(metrics):
+                first_step_s = time.perf_counter() - start
+            if rc is None and time.perf_counter() - start > cap_s:
+                os.killpg(proc.pid, signal.SIGKILL)  # the whole group: torchrun and its workers
+                proc.wait()
+                rc = "timeout"
+    wall = time.perf_counter() - start
+    with open(log_path, errors="replace") as f:
+        console = f.read()
+    recs = _records(metrics)
+    half = recs[len(recs) // 2:] if len(recs) >= 2 else recs
+    tps = [r["tokens_per_second"] for r in half if r.get("tokens_per_second")]
+    out = {
+        "row": row.name, "group": row.group, "what": row.what, "exit": rc, "wall_s": round(wall, 1),
+        "first_step_s": None if first_step_s is None else round(first_step_s, 1),
+        "steps_logged": len(recs),
+        "tokens_per_second": round(statistics.median(tps)) if tps else None,
+        "peak_reserved_gib": round(max((r.get("memory_peak_gib", 0.0) for r in recs), default=0.0), 2) or None,
+        "loss_first": recs[0]["loss"] if recs else None,
+        "loss_last": recs[-1]["loss"] if recs else None,
+        "recompiles": len(re.findall(r"Recompiling function", console)),
+        "step_times_s": [round(r.get("step_time", 0.0), 3) for r in recs],
+        "command": "bash train.sh " + " ".join(args),
+        "config_edit": row.config_edit,
+    }
+    if rc != 0:
+        lines = [l for l in console.splitlines() if l.strip()]
+        errs = [l for l in lines if "flame: error" in l or "Error" in l or "error:" in l]
+        out["error_tail"] = "\n".join((errs[-6:] if errs else []) + lines[-25:])[-4000:]
+    return out
+
+
+def _versions() -> dict:
+    out = {}
+    for mod in ("torch", "triton", "fla", "transformers", "torchtitan"):
+        try:
+            m = __import__(mod)
+            out[mod] = getattr(m, "__version__", "?")
+        except Exception as e:  # recorded, not fatal
+            out[mod] = f"missing ({type(e).__name__})"
+    return out
+
+
+def _device() -> dict:
+    import torch
+
+    if not torch.cuda.is_available():
+        return {"name": "cpu", "count": 0}
+    return {"name": torch.cuda.get_device_name(0), "count": torch.cuda.device_count(),
+            "memory_gib": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)}
+
+
+def _commit() -> str:
+    if os.environ.get("FLAME_COMMIT"):
+        return os.environ["FLAME_COMMIT"]
+    try:
+        return subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def markdown(doc: dict) -> str:
+    d = doc["device"]
+    head = (f"{d['name']} x{d['count']}; " + ", ".join(f"{k} {v}" for k, v in doc["versions"].items())
+            + f"; commit {doc['commit'][:10]}; {doc['date'][:10]}; {doc['steps']} steps a row")
+    lines = [head, "", "| row | what | exit | first step s | tokens/s | peak reserved GiB | loss first -> last | recompiles |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in doc["results"]:
+        if r.get("exit") == "not run":
+            lines.append(f"| {r['row']} | {r['what']} | not run ({r['reason']}) | | | | | |")
+            continue
+        loss = "-" if r["loss_first"] is None else f"{r['loss_first']:.2f} -> {r['loss_last']:.2f}"
+        fmt = lambda v, f: "-" if v is None else format(v, f)
+        lines.append(f"| {r['row']} | {r['what']} | {r['exit']} | {fmt(r['first_step_s'], '.0f')} | "
+                     f"{fmt(r['tokens_per_second'], ',')} | {fmt(r['peak_reserved_gib'], '.1f')} | {loss} | {r['recompiles']} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out", nargs="?")
+    ap.add_argument("--rows", default="", help="comma list of row names (default: all of --groups)")
+    ap.add_argument("--groups", default="readme,paper", help="comma list: smoke, readme, paper, attn, configs, offload")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--budget_s", type=float, default=540, help="stop starting rows after this many seconds")
+    ap.add_argument("--runs", default=os.environ.get("FLAME_RUNS", "/tmp/flame_acceptance"))
+    ap.add_argument("--list", action="store_true")
+    ap.add_argument("--markdown", metavar="JSON")
+    a = ap.parse_args()
+    if a.markdown:
+        with open(a.markdown) as f:
+            print(markdown(json.load(f)))
+        return 0
+    rows = all_rows(a.steps)
+    if a.list:
+        for r in rows:
+            print(f"{r.group:<8} {r.name:<40} {r.what}")
+        return 0
+    if not a.out:
+        ap.error("OUT.json is required")
+    names = [n for n in a.rows.split(",") if n]
+    groups = set(g for g in a.groups.split(",") if g)
+    known = {r.name for r in rows}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        ap.error(f"unknown rows {unknown}; --list shows them")
+    chosen = [r for r in rows if r.name in names] if names else [r for r in rows if r.group in groups]
+    doc = {"what": "flame acceptance: user command lines through train.sh", "device": _device(),
+           "versions": _versions(), "commit": _commit(), "steps": a.steps,
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "command": " ".join(sys.argv),
+           "env": {k: v for k, v in os.environ.items() if k.startswith(("FLAME_", "FLA_", "TRITON_"))},
+           "results": []}
+    t0 = time.perf_counter()
+    for row in chosen:
+        left = a.budget_s - (time.perf_counter() - t0)
+        if left < 60:
+            doc["results"].append({"row": row.name, "group": row.group, "what": row.what, "exit": "not run",
+                                   "reason": "out of the call's time budget"})
+            continue
+        print(f"== {row.name}: {row.what}", flush=True)
+        res = run_row(row, a.runs, min(row.cap_s, left))
+        doc["results"].append(res)
+        print(json.dumps({k: v for k, v in res.items() if k not in ("command", "step_times_s")}), flush=True)
+        with open(a.out, "w") as f:
+            json.dump(doc, f, indent=1)
+    with open(a.out, "w") as f:
+        json.dump(doc, f, indent=1)
+    md = markdown(doc)
+    with open(os.path.splitext(a.out)[0] + ".md", "w") as f:
+        f.write(md + "\n")
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
