@@ -26,7 +26,7 @@ import torch.distributed._functional_collectives as funcol
 from flame.components.checkpoint import FlameCheckpointManager
 from flame.components.chunked_loss import chunked_head_loss, install_chunked_head, take_chunked_loss
 from flame.components.loss import IGNORE_INDEX, compiled_cross_entropy_sum, cross_entropy_sum
-from flame.components.metrics import MetricsLogger
+from flame.components.metrics import MetricsLogger, write_run_summary
 from flame.components.optimizer import build_optimizers, clip_grad_norm_
 from flame.config.manager import FlameConfigManager, accumulation_steps
 from flame.distributed.device import init_process_group, local_device
@@ -398,6 +398,7 @@ class Trainer(Stateful):
 
         gc.enable()  # GarbageCollection disabled it for the loop only
         self.export_hf()
+        write_run_summary(self)
 
     def _export_with_checkpoint(self) -> bool:
         """``checkpoint.export_hf_every_checkpoint``: an HF folder next to every interval checkpoint."""

@@ -5,6 +5,7 @@ Everything that needs a host sync (``.item()``) happens here, on log steps only.
 
 import json
 import os
+import resource
 import time
 from dataclasses import dataclass, field
 
@@ -44,6 +45,13 @@ class MetricsLogger:
     history: list = field(default_factory=list)
     allocated_peak_seen: int = 0
     """The allocator's allocated-bytes peak over the intervals this logger reset (see allocated_peak)."""
+    launch_tokens: int = 0
+    """Tokens this rank processed since the loop started in this launch (for the end-of-run summary)."""
+    memory_peak_gib: float = 0.0
+    """Largest reserved GPU memory of any log interval."""
+    last_validation: dict = field(default_factory=dict)
+    """The latest ``validation/...`` values and their step."""
+    created: float = field(default_factory=time.perf_counter)
 
     def __post_init__(self):
         self.backend = _build_metric_logger(self.job_config, self.parallel_dims)
@@ -58,6 +66,7 @@ class MetricsLogger:
         )
 
     def reset_clock(self, step: int) -> None:
+        self.launch_tokens = 0
         self.last_time = time.perf_counter()
         self.last_step = step
         self.run_start = self.last_time
@@ -99,6 +108,7 @@ class MetricsLogger:
             record["mfu_pct"] = 100.0 * tflops * 1e12 / self.peak_flops
         if self.device.type == "cuda":
             record["memory_peak_gib"] = _gib(torch.cuda.max_memory_reserved(self.device))
+            self.memory_peak_gib = max(self.memory_peak_gib, record["memory_peak_gib"])
             peak = torch.cuda.max_memory_allocated(self.device)
             record["memory_active_gib"] = _gib(peak)
             self.allocated_peak_seen = max(self.allocated_peak_seen, peak)
@@ -130,6 +140,7 @@ class MetricsLogger:
             parts.append(f"skipped {self.skipped_steps}")
         parts.append(f"eta {_fmt_eta(eta)}")
         logger.info("  ".join(parts))
+        self.launch_tokens += self.tokens_since
         self.tokens_since = 0
         self.data_time_since = 0.0
         self.last_time = now
@@ -138,6 +149,8 @@ class MetricsLogger:
 
     def log_scalars(self, values: dict, step: int) -> None:
         """Extra metrics with full names (e.g. ``validation/loss``) to every backend."""
+        if any(k.startswith("validation/") for k in values):
+            self.last_validation = {"step": step, **{k: v for k, v in values.items() if k.startswith("validation/")}}
         self.backend.log(values, step)
         if self.jsonl:
             with open(self.jsonl, "a") as f:
@@ -146,3 +159,76 @@ class MetricsLogger:
 
     def close(self) -> None:
         self.backend.close()
+
+
+def run_summary(trainer) -> dict:
+    """What a finished launch did and where its outputs are (the same on every rank's view)."""
+    cfg, m = trainer.cfg, trainer.metrics
+    dump = os.path.abspath(cfg.job.dump_folder)
+    now = time.perf_counter()
+    train_time = now - m.run_start
+    tokens = (m.launch_tokens + m.tokens_since) * m.dp  # every data-parallel rank's share
+    losses = [r["loss"] for _, r in m.history if "loss" in r]
+    ckpt_root = os.path.join(dump, cfg.checkpoint.folder)
+    steps = sorted((int(d[5:]) for d in os.listdir(ckpt_root) if d.startswith("step-") and d[5:].isdigit())
+                   if os.path.isdir(ckpt_root) else [])
+    hf = os.path.join(dump, "hf")
+    jsonl = os.path.join(dump, "metrics.jsonl")
+    return {
+        "steps": trainer.step,
+        "steps_this_launch": trainer.step - m.start_step,
+        "final_train_loss": losses[-1] if losses else None,
+        "validation_loss": m.last_validation.get("validation/loss"),
+        "validation_step": m.last_validation.get("step"),
+        "tokens_seen": trainer.ntokens_seen * trainer.dp_degree,
+        "tokens_this_launch": tokens,
+        "wall_time_s": now - m.created,
+        "train_time_s": train_time,
+        "tokens_per_second": tokens / train_time if train_time > 0 else None,
+        "gpu_memory_peak_gib": m.memory_peak_gib if m.device.type == "cuda" else None,
+        # ru_maxrss is in KiB on Linux: this process's peak resident memory
+        "host_memory_peak_gib": _gib(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024),
+        "dump_folder": dump,
+        "checkpoint": os.path.join(ckpt_root, f"step-{steps[-1]}") if steps else None,
+        "hf_export": hf if cfg.checkpoint.export_hf and os.path.isdir(hf) else None,
+        "metrics_jsonl": jsonl if os.path.isfile(jsonl) else None,
+    }
+
+
+def format_summary(summary: dict) -> str:
+    def num(x, fmt):
+        return "-" if x is None else format(x, fmt)
+
+    val = ("-" if summary["validation_loss"] is None
+           else f"{summary['validation_loss']:.4f} (step {summary['validation_step']})")
+    memory = f"host {summary['host_memory_peak_gib']:.2f} GiB RSS"
+    if summary["gpu_memory_peak_gib"] is not None:
+        memory = f"GPU {summary['gpu_memory_peak_gib']:.2f} GiB reserved, " + memory
+    rows = [
+        ("steps", f"{summary['steps']} ({summary['steps_this_launch']} in this launch)"),
+        ("final train loss", num(summary["final_train_loss"], ".4f")),
+        ("validation loss", val),
+        ("tokens seen", f"{summary['tokens_seen']:,}"),
+        ("wall time", f"{_fmt_eta(summary['wall_time_s'])} (training {summary['train_time_s']:.1f} s)"),
+        ("tokens/s", num(summary["tokens_per_second"], ",.0f")),
+        ("peak memory", memory),
+        ("dump folder", summary["dump_folder"]),
+        ("checkpoint", summary["checkpoint"] or "-"),
+        ("HF export", summary["hf_export"] or "-"),
+        ("metrics", summary["metrics_jsonl"] or "-"),
+        ("summary", os.path.join(summary["dump_folder"], "summary.json")),
+    ]
+    return "\n".join(["run summary:"] + [f"  {name:<17}{value}" for name, value in rows])
+
+
+def write_run_summary(trainer) -> dict | None:
+    """Rank 0: print the summary block and write it as ``DUMP/summary.json``."""
+    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+        return None
+    summary = run_summary(trainer)
+    path = os.path.join(summary["dump_folder"], "summary.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(summary, f, indent=2)
+    os.replace(path + ".tmp", path)
+    logger.info(format_summary(summary))
+    return summary

@@ -1,11 +1,16 @@
 """Parse ``--job.config_file X.toml`` + ``--section.key value`` into flame's JobConfig.
 
 torchtitan's ConfigManager does the TOML -> dataclass -> tyro CLI merge; flame adds:
-its own JobConfig extension merged in automatically, one-line errors naming the bad key
-with the closest valid one, comma-separated float lists, and alias folding.
+its own JobConfig extension merged in automatically, the bundled ``flame/models/fla.toml`` as
+the base when no ``--job.config_file`` is given, input paths that resolve from any working
+directory, one-line errors naming the bad key or value (TOML and CLI), comma-separated float
+lists, alias folding, and a ``--help`` of flame's options (``flame.config.help``).
 """
 
+import contextlib
 import difflib
+import glob
+import io
 import os
 import sys
 import types
@@ -63,6 +68,48 @@ def flat_fields(cls, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+# the checkout (or install prefix) holding the flame package: bundled assets such as
+# `flame/assets/tokenizer` and `configs/...` resolve against it from any working directory
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DEFAULT_TOML = os.path.join(PACKAGE_ROOT, "flame", "models", "fla.toml")
+
+# options naming input files or folders, and whether they hold comma-separated lists (one per
+# source; `;` separates several globs of one source in data_files). Output paths (dump_folder)
+# stay relative to the working directory.
+PATH_OPTIONS = {
+    "model.config": False,
+    "model.tokenizer_path": False,
+    "training.dataset": True,
+    "training.data_files": True,
+    "validation.dataset": True,
+    "checkpoint.initial_load_path": False,
+    "offload.profile": False,
+    "offload.plan": False,
+}
+
+
+def _locate(path: str, bases: list[str]) -> str:
+    """``path`` joined to the first base where it exists (a glob: matches something); unchanged
+    when it is absolute, empty, or found nowhere (a hub id, or a file still to be written)."""
+    if not path or os.path.isabs(path) or path == "auto":
+        return path
+    for base in bases:
+        candidate = os.path.join(base, path)
+        if glob.glob(candidate) if glob.has_magic(path) else os.path.exists(candidate):
+            return path if base == os.getcwd() else os.path.normpath(candidate)
+    return path
+
+
+def resolve_path_option(key: str, value, bases: list[str]):
+    """One PATH_OPTIONS value with every entry located against ``bases`` (first match wins)."""
+    if not isinstance(value, str) or not value:
+        return value
+    if not PATH_OPTIONS[key]:
+        return _locate(value, bases)
+    return ",".join(";".join(_locate(g.strip(), bases) if g.strip() else g for g in entry.split(";"))
+                    for entry in value.split(","))
+
+
 def _closest(key: str, valid: list[str]) -> str:
     match = difflib.get_close_matches(key, valid, n=1, cutoff=0.0)
     return f"; did you mean '{match[0]}'?" if match else ""
@@ -70,6 +117,39 @@ def _closest(key: str, valid: list[str]) -> str:
 
 def _is_bool(tp) -> bool:
     return tp is bool or (typing.get_origin(tp) in (typing.Union, types.UnionType) and bool in typing.get_args(tp))
+
+
+def type_name(tp) -> str:
+    """How an option's type reads in an error or in --help."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return " or ".join(type_name(a) for a in typing.get_args(tp) if a is not type(None))
+    if typing.get_origin(tp) is Literal:
+        return "one of " + ", ".join(str(x) for x in typing.get_args(tp))
+    if typing.get_origin(tp) is list:
+        (item,) = typing.get_args(tp) or (str,)
+        return f"a list of {type_name(item)}s"
+    return {int: "integer", float: "number", str: "string", bool: "true or false"}.get(tp, getattr(tp, "__name__", str(tp)))
+
+
+def _toml_value_ok(tp, value) -> bool:
+    """Whether a TOML value can stand for an option of type ``tp`` (TOML has no null)."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return any(_toml_value_ok(a, value) for a in typing.get_args(tp) if a is not type(None))
+    if origin is Literal:
+        return value in typing.get_args(tp)
+    if origin is list:
+        (item,) = typing.get_args(tp) or (typing.Any,)
+        return isinstance(value, list) and all(_toml_value_ok(item, x) for x in value)
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is str:
+        return isinstance(value, str)
+    return True  # dict, Any, ...: left to the code that reads it
 
 
 def _check_value(key: str, tp, value: str) -> None:
@@ -92,7 +172,7 @@ def _check_value(key: str, tp, value: str) -> None:
     if typing.get_origin(tp) is Literal or any(typing.get_origin(a) is Literal for a in args):
         choices = [str(x) for a in args for x in typing.get_args(a)]
         raise ConfigError(f"--{key} {value!r}: must be one of {', '.join(choices)}")
-    raise ConfigError(f"--{key} {value!r}: expected {getattr(tp, '__name__', tp)}")
+    raise ConfigError(f"--{key} {value!r}: expected {type_name(tp)}")
 
 
 class FlameConfigManager(ConfigManager):
@@ -126,7 +206,11 @@ class FlameConfigManager(ConfigManager):
                 raise ConfigError(f"unknown option '--{arg[2:].partition('=')[0]}'{_closest(key, keys)}")
             given.add(key)
             tp = self.valid[key]
-            if _is_bool(tp) and not eq:
+            if _is_bool(tp) and eq:
+                flag = key.rsplit(".", 1)
+                raise ConfigError(f"--{arg[2:]}: {key} is a flag, written --{key} (on) or "
+                                  f"--{flag[0]}.no-{flag[1]} (off), without a value")
+            if _is_bool(tp):
                 continue  # a flag
             if not eq:
                 if i >= len(args):
@@ -138,37 +222,65 @@ class FlameConfigManager(ConfigManager):
         return given
 
     # -- TOML --------------------------------------------------------------------------
-    def _maybe_load_toml(self, args):
-        path = None
+    @staticmethod
+    def toml_path(args: list[str]) -> str | None:
+        """The job file the command line names; the bundled default when it names none
+        (``--job.config_file ''`` asks for no file: torchtitan's and flame's defaults only)."""
+        path = DEFAULT_TOML
         for i, arg in enumerate(args):
             k, eq, v = arg.partition("=")
             if k in ("--job.config_file", "--job.config-file"):
                 path = v if eq else (args[i + 1] if i + 1 < len(args) else None)
+        return path or None
+
+    def _maybe_load_toml(self, args):
+        path = self.toml_path(args)
         if path is None:
             return None
         if not os.path.isfile(path):
             raise ConfigError(f"job.config_file {path!r}: no such file")
         try:
             with open(path, "rb") as f:
-                return tomllib.load(f)
+                data = tomllib.load(f)
         except (OSError, tomllib.TOMLDecodeError) as e:
             raise ConfigError(f"job.config_file {path!r}: {e}") from None
+        self.toml_file = path
+        # input paths in the file are relative to the file's folder (then the working
+        # directory, then flame's checkout for bundled assets)
+        bases = [os.path.dirname(os.path.abspath(path)), os.getcwd(), PACKAGE_ROOT]
+        for key in PATH_OPTIONS:
+            section, name = key.split(".")
+            table = data.get(section)
+            if isinstance(table, dict) and name in table:
+                table[name] = resolve_path_option(key, table[name], bases)
+        if isinstance(data.get("job"), dict):
+            data["job"].setdefault("config_file", os.path.abspath(path))
+        else:
+            data.setdefault("job", {"config_file": os.path.abspath(path)})
+        return data
 
     def _dict_to_dataclass(self, cls, data, prefix: str = ""):
         if not is_dataclass(cls):
             return data
         names = {f.name: f for f in fields(cls)}
+        try:  # sections written with `from __future__ import annotations` hold their types as strings
+            hints = typing.get_type_hints(cls)
+        except (NameError, TypeError):
+            hints = {}
         for key in data:
             if key not in names:
                 full = f"{prefix}{key}"
                 raise ConfigError(f"unknown TOML key '{full}'{_closest(full, sorted(self.valid))}")
         kwargs = {}
         for name, value in data.items():
-            tp = names[name].type
+            tp = hints.get(name, names[name].type)
             if is_dataclass(tp):
                 if not isinstance(value, dict):
                     raise ConfigError(f"TOML key '{prefix}{name}' must be a table [{prefix}{name}]")
                 kwargs[name] = self._dict_to_dataclass(tp, value, f"{prefix}{name}.")
+            elif not _toml_value_ok(tp, value):
+                where = getattr(self, "toml_file", "the job file")
+                raise ConfigError(f"{prefix}{name} = {value!r} in {where}: expected {type_name(tp)}")
             else:
                 kwargs[name] = value
         return cls(**kwargs)
@@ -182,10 +294,43 @@ class FlameConfigManager(ConfigManager):
         # probes old torchtitan asset paths; flame reads model.tokenizer_path itself.
         pass
 
+    def base_config(self, args: list[str]):
+        """The config the job file alone gives (no CLI values), aliases folded."""
+        toml_values = self._maybe_load_toml(args)
+        config_cls = self._maybe_add_custom_config(args, toml_values)
+        base = self._dict_to_dataclass(config_cls, toml_values) if toml_values else config_cls()
+        resolve_aliases(base)
+        return base
+
+    def help_text(self, args: list[str], prog: str = "python -m flame.train") -> str:
+        """``--help``: flame's options with one-line descriptions and the values this command
+        line's job file gives them (``flame.config.help``)."""
+        from flame.config.help import format_help
+
+        return format_help(self.base_config(args), prog, self.toml_path(args))
+
     def parse_args(self, args: list[str] | None = None):
         args = list(sys.argv[1:] if args is None else args)
+        if "-h" in args or "--help" in args:
+            print(self.help_text(args))
+            raise SystemExit(0)
         given = self._check_cli(args)
-        config = super().parse_args(args)
+        # tyro reports what flame's checks let through as a multi-line box: one line instead
+        captured = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(captured), contextlib.redirect_stdout(captured):
+                config = super().parse_args(args)
+        except SystemExit as e:
+            if not e.code:
+                raise
+            text = " ".join(line.strip(" │╭╮╰╯─") for line in captured.getvalue().splitlines())
+            text = " ".join(w for w in text.split() if "helptext" not in w)
+            raise ConfigError(f"command line rejected: {text.split(' For full')[0].strip() or 'invalid arguments'}") from None
+        cwd_then_package = [os.getcwd(), PACKAGE_ROOT]
+        for key in PATH_OPTIONS:
+            section, name = key.split(".")
+            sec = getattr(config, section)
+            setattr(sec, name, resolve_path_option(key, getattr(sec, name), cwd_then_package))
         resolve_aliases(config, given)
         validate(config)
         return config

@@ -12,8 +12,9 @@ from tests.trainer.helpers import CORPUS, PYTHONPATH, ROOT, losses, metrics, run
 
 def test_single_process_trains_and_writes_outputs(tmp_path):
     dump = str(tmp_path / "run")
-    run_job(1, dump, "--training.steps", "16", "--checkpoint.interval", "8", "--checkpoint.keep_latest_k", "1",
-            "--validation.enable", "--validation.dataset", CORPUS, "--validation.steps", "2", "--validation.interval", "8")
+    proc = run_job(1, dump, "--training.steps", "16", "--checkpoint.interval", "8", "--checkpoint.keep_latest_k", "1",
+                   "--validation.enable", "--validation.dataset", CORPUS, "--validation.steps", "2",
+                   "--validation.interval", "8")
     val = [r for r in metrics(dump) if "validation/loss" in r]
     assert [r["step"] for r in val] == [8, 16] and val[1]["validation/loss"] < val[0]["validation/loss"]
     assert "validation/sample_corpus/ppl" in val[0]
@@ -25,6 +26,15 @@ def test_single_process_trains_and_writes_outputs(tmp_path):
     assert sorted(os.listdir(os.path.join(dump, "checkpoint"))) == ["step-16"]  # keep_latest_k 1
     resolved = json.load(open(os.path.join(dump, "job_config.json")))
     assert resolved["training"]["local_batch_size"] == 4
+    # the end-of-run summary: printed once by rank 0 and written as DUMP/summary.json
+    summary = json.load(open(os.path.join(dump, "summary.json")))
+    assert summary["final_train_loss"] == ls[-1] and summary["validation_loss"] == val[-1]["validation/loss"]
+    assert (summary["steps"], summary["validation_step"], summary["tokens_seen"]) == (16, 16, 16 * 4 * 64)
+    assert summary["tokens_per_second"] == pytest.approx(summary["tokens_this_launch"] / summary["train_time_s"])
+    assert summary["checkpoint"] == os.path.join(dump, "checkpoint", "step-16") and summary["hf_export"] is None
+    assert summary["metrics_jsonl"] == os.path.join(dump, "metrics.jsonl") and summary["host_memory_peak_gib"] > 0
+    console = proc.stdout + proc.stderr
+    assert console.count("run summary:") == 1 and f"final train loss {ls[-1]:.4f}" in " ".join(console.split())
 
 
 def test_two_ranks_fsdp_trains(tmp_path):

@@ -1,0 +1,157 @@
+"""The command line as a new user meets it: the bundled job file as the base, paths from any
+working directory, --help, one-line errors for wrong types, the calculator's help and profile."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from flame.config.manager import DEFAULT_TOML, PACKAGE_ROOT, FlameConfigManager
+from flame.errors import ConfigError
+from tests.trainer.helpers import ROOT, TINY_LLAMA
+
+TINY = "configs/debug/transformer_tiny.json"  # bundled, relative to the checkout
+
+
+def parse(*args):
+    return FlameConfigManager().parse_args(list(args))
+
+
+def test_default_job_file_is_the_base_without_config_file(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # bundled paths work from anywhere
+    cfg = parse("--model.config", TINY, "--training.steps", "20")
+    assert cfg.job.config_file == DEFAULT_TOML
+    # values only fla.toml sets (torchtitan's defaults differ: eps 1e-8, lr 8e-4, warmup 200)
+    assert (cfg.optimizer.eps, cfg.optimizer.lr, cfg.lr_scheduler.warmup_steps) == (1e-15, 3e-4, 1024)
+    assert cfg.training.steps == 20 and cfg.debug.seed == 42
+    assert cfg.model.config == os.path.join(PACKAGE_ROOT, TINY)
+    assert cfg.model.tokenizer_path == os.path.join(PACKAGE_ROOT, "flame/assets/tokenizer")
+    assert cfg.training.dataset == os.path.join(PACKAGE_ROOT, "flame/assets/sample_corpus")
+    assert cfg.job.dump_folder == "exp/default"  # outputs stay relative to the working directory
+    # '' asks for no job file: torchtitan's and flame's own defaults
+    bare = parse("--job.config_file", "", "--model.config", TINY)
+    assert bare.optimizer.eps == 1e-8 and not bare.job.config_file
+
+
+def test_job_file_paths_resolve_against_its_folder(tmp_path, monkeypatch):
+    jobs = tmp_path / "project" / "jobs"
+    (jobs / "data" / "a").mkdir(parents=True)
+    (jobs / "data" / "b").mkdir()
+    (jobs / "data" / "b" / "part-0.jsonl").write_text('{"text": "x"}\n')
+    (jobs / "tok").mkdir()
+    (jobs / "model.json").write_text(open(TINY_LLAMA).read())
+    toml = jobs / "job.toml"
+    toml.write_text(
+        '[model]\nconfig = "model.json"\ntokenizer_path = "tok"\n'
+        '[training]\ndataset = "data/a,HuggingFaceFW/fineweb-edu,data/b"\ndata_files = ",,data/b/*.jsonl"\n'
+        '[validation]\ndataset = "flame/assets/sample_corpus"\n'
+        '[job]\ndump_folder = "exp/run"\n'
+    )
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    cfg = parse("--job.config_file", str(toml))
+    assert cfg.model.config == str(jobs / "model.json")
+    assert cfg.model.tokenizer_path == str(jobs / "tok")
+    assert cfg.training.dataset == f"{jobs / 'data/a'},HuggingFaceFW/fineweb-edu,{jobs / 'data/b'}"
+    assert cfg.training.data_files == f",,{jobs / 'data/b/*.jsonl'}"
+    assert cfg.validation.dataset == os.path.join(PACKAGE_ROOT, "flame/assets/sample_corpus")  # bundled
+    assert cfg.job.dump_folder == "exp/run"
+    # a relative --job.config_file, and a CLI path relative to the working directory
+    (elsewhere / "mine.json").write_text(open(TINY_LLAMA).read())
+    cfg = parse("--job.config_file", os.path.relpath(toml), "--model.config", "mine.json")
+    assert cfg.model.config == "mine.json" and cfg.model.tokenizer_path == str(jobs / "tok")
+    with pytest.raises(ConfigError, match="model.config 'missing.json': no such file"):
+        parse("--job.config_file", str(toml), "--model.config", "missing.json")
+
+
+@pytest.mark.parametrize("toml, fragment", [
+    ('[training]\nsteps = "ten"\n', "training.steps = 'ten' in "),
+    ("[training]\nvarlen = 1\n", "training.varlen = 1 in "),
+    ('[lr_scheduler]\ndecay_type = "exp"\n', "expected one of linear, sqrt, cosine"),
+    ("[optimizer]\nlr = true\n", "optimizer.lr = True in "),
+    ('[training]\ndata_probs = "0.5,0.5"\n', "expected a list of numbers"),
+    ('[training]\nseq_len = 1.5\n', "expected integer"),
+])
+def test_wrong_toml_type_is_one_line(tmp_path, toml, fragment):
+    path = tmp_path / "job.toml"
+    path.write_text(toml)
+    with pytest.raises(ConfigError) as e:
+        parse("--job.config_file", str(path), "--model.config", TINY_LLAMA)
+    assert fragment in str(e.value) and "\n" not in str(e.value)
+    assert str(path) in str(e.value)
+
+
+def test_entry_point_exit_2_and_one_line(tmp_path, capsys):
+    from flame.utils.dump_folder import main
+
+    path = tmp_path / "job.toml"
+    path.write_text('[training]\nsteps = "ten"\n')
+    assert main(["--job.config_file", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("flame: error: training.steps = 'ten'")
+    # a flag given a value: one line, not tyro's box
+    with pytest.raises(ConfigError, match="training.varlen is a flag"):
+        parse("--model.config", TINY_LLAMA, "--training.varlen=False")
+
+
+def _options_of(text: str) -> list[str]:
+    return [line.split()[0] for line in text.splitlines() if line.startswith("  --")]
+
+
+def test_help_lists_flame_options_once_with_descriptions(capsys):
+    with pytest.raises(SystemExit) as e:
+        parse("--help")
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    options = _options_of(text)
+    assert len(options) == len(set(options)), "an option listed twice"
+    assert len(text.splitlines()) < 400 and "DEPRECATED" not in text
+    # one name per setting; options flame never reads are hidden
+    for gone in ("--training.local_batch_size", "--validation.freq", "--debug.seed", "--compile.enable",
+                 "--model.flavor", "--model.hf_assets_path", "--parallelism.pipeline_parallel_degree",
+                 "--quantize.linear.float8.recipe_name", "--fault_tolerance.enable"):
+        assert gone not in options
+    for shown in ("--training.batch_size", "--validation.interval", "--training.seed", "--model.tokenizer_path",
+                  "--model.config", "--offload.enable", "--probes.interval"):
+        assert shown in options
+    # every option flame defines carries the first line of its docstring; flame's values shown
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("  --"):
+            assert lines[i + 1].startswith("      "), f"no description: {line}"
+    assert "Sequences per device per micro-batch (also --training.local_batch_size)" in text
+    assert "--training.steps INT  [10000]" in text and "--optimizer.eps FLOAT  [1e-15]" in text
+
+
+def test_help_shows_the_named_job_file_values(tmp_path):
+    path = tmp_path / "job.toml"
+    path.write_text("[training]\nsteps = 77\n")
+    text = FlameConfigManager().help_text(["--job.config_file", str(path)])
+    assert "--training.steps INT  [77]" in text and str(path) in text
+
+
+def test_plan_help_describes_the_calculator(capsys):
+    from flame.offload import plan
+
+    assert plan.main(["--help"]) == 0
+    text = capsys.readouterr().out
+    assert "resource calculator" in text and len(text.splitlines()) < 150
+    options = _options_of(text)
+    assert "--offload.gpu_memory_gib" in options and "--training.batch_size" in options
+    assert "--training.steps" not in options and "--metrics.log_freq" not in options
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the fallback is for machines without a GPU")
+def test_plan_without_gpu_uses_the_bundled_profile(tmp_path, capsys):
+    from flame.offload import plan
+
+    assert plan.BUNDLED_PROFILES, "flame ships a measured profile"
+    rc = plan.main(["--model.config", TINY_LLAMA, "--training.batch_size", "2", "--training.seq_len", "64",
+                    "--job.dump_folder", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0
+    notes = [line for line in out.splitlines() if "bundled measured profile" in line]
+    assert len(notes) == 1 and plan.BUNDLED_PROFILES[0] in notes[0]
+    assert "offload plan:" in out
