@@ -37,7 +37,7 @@ def plan_for(job) -> tuple[Plan, ModelCosts | None, Offload]:
     job.training.gradient_accumulation_steps = accumulation_steps(job.training, world)
     if off.plan == "auto" and not off.profile:
         raise ConfigError("offload.profile: required without a GPU (path of a stored hardware profile JSON)")
-    config = load_model_config(job.model.config)  # as the trainer loads it (HF models default to SDPA)
+    config = load_model_config(job.model.config, job.model.module)  # as the trainer loads it (HF models default to SDPA)
     plan, costs, _ = build_plan(SimpleNamespace(config=config), job, "cpu", world, threads_from_profile=True)
     return plan, costs, off
 

@@ -217,7 +217,7 @@ def plan_export(config) -> ExportPlan:
     if source == 'fla':
         config = _copy_config(config)
         from transformers import AutoModelForCausalLM
-        cls = AutoModelForCausalLM._model_mapping.get(type(config))
+        cls = AutoModelForCausalLM._model_mapping.get(type(config), None)
         if cls is not None:
             config.architectures = [cls.__name__]
         return ExportPlan('fla', config, note="FLA model (load after 'import fla')")
@@ -241,16 +241,19 @@ def _apply_umask(folder: str) -> None:
             os.chmod(os.path.join(root, f), file_mode)
 
 
+def _load_tokenizer(tokenizer):
+    if not isinstance(tokenizer, (str, os.PathLike)):
+        return tokenizer
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(str(tokenizer))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"tokenizer {str(tokenizer)!r} cannot be loaded: {str(e).splitlines()[0]}") from None
+
+
 def _save_tokenizer(tokenizer, out: str) -> None:
-    if tokenizer is None:
-        return
-    if isinstance(tokenizer, (str, os.PathLike)):
-        from transformers import AutoTokenizer
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(str(tokenizer))
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"tokenizer {str(tokenizer)!r} cannot be loaded: {str(e).splitlines()[0]}") from None
-    tokenizer.save_pretrained(out)
+    if tokenizer is not None:
+        _load_tokenizer(tokenizer).save_pretrained(out)
 
 
 def export_hf(model_state_dict_or_checkpoint_dir: dict[str, torch.Tensor] | str, model_config, tokenizer,
@@ -381,16 +384,45 @@ def hf_to_dcp(hf_dir: str, checkpoint_dir: str, dtype: str | torch.dtype = 'floa
 
 
 def resolve_job_config(dump: str) -> dict[str, Any]:
-    """``model.config`` and ``model.tokenizer_path`` from ``<dump>/job_config.json`` (nested or
-    dotted keys), or {} if the file is absent."""
+    """What an export needs from ``<dump>/job_config.json`` (nested or dotted keys): ``config``
+    (model.config), ``tokenizer`` (model.tokenizer_path), ``vocab_multiple`` and ``module``
+    (model.module); {} if the file is absent."""
     path = os.path.join(dump, 'job_config.json')
     if not os.path.isfile(path):
         return {}
     try:
-        data = json.load(open(path))
+        with open(path) as f:
+            data = json.load(f)
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path!r} is not valid JSON: {e}") from None
     model = data.get('model', {}) if isinstance(data.get('model'), dict) else {}
-    out = {'config': model.get('config', data.get('model.config')),
-           'tokenizer': model.get('tokenizer_path', data.get('model.tokenizer_path'))}
+
+    def get(key):
+        return model.get(key, data.get(f'model.{key}'))
+
+    out = {'config': get('config'), 'tokenizer': get('tokenizer_path'), 'vocab_multiple': get('vocab_multiple'),
+           'module': get('module')}
     return {k: v for k, v in out.items() if v}
+
+
+def run_model_config(dump: str, config: str | None = None, tokenizer: str | None = None):
+    """The model config a run trained, rebuilt from ``<dump>/job_config.json`` as the trainer built
+    it: its ``model.module`` imported, the vocabulary raised to the tokenizer's size
+    (``model.vocab_multiple``). ``config`` / ``tokenizer`` override the saved paths.
+    Returns ``(PretrainedConfig, tokenizer path or None)``."""
+    from flame.models.build import fit_vocab
+    from flame.models.registry import import_model_modules
+
+    saved = resolve_job_config(dump)
+    config = config or saved.get('config')
+    if not config:
+        raise ConfigError(f"no model config: {os.path.join(dump, 'job_config.json')!r} is absent or has no "
+                          f"model.config; pass --config")
+    register_families()
+    import_model_modules(saved.get('module'))
+    config = load_config(config)
+    tokenizer = tokenizer or saved.get('tokenizer')
+    if tokenizer:
+        config = _copy_config(config)
+        fit_vocab(config, len(_load_tokenizer(tokenizer)), int(saved.get('vocab_multiple') or 64))
+    return config, tokenizer
