@@ -3,6 +3,9 @@
 Importing ``flame`` registers every model family it can train with transformers' Auto
 classes: FLA's (``import fla``), flame's own transformer and the ``custom_models`` package,
 so exported checkpoints load with ``AutoModelForCausalLM.from_pretrained`` after ``import flame``.
+It also installs flame's CPU dispatchers into FLA (``flame.models.cpu``): calls on CPU tensors take
+flame's torch code, calls on any other device reach FLA's original function unchanged, so FLA
+models train and ``generate`` on CPU with no further call.
 """
 
 import importlib
@@ -14,9 +17,9 @@ def _register_model_families() -> None:
     import fla  # noqa: F401  (registers FLA's configs and models)
 
     # FLA's softmax-attention layer (samba and other hybrids) needs flash-attn: stand-ins when absent
-    from flame.models.cpu import install_attention_standins
+    from flame.models.cpu import enable_cpu_fallbacks
 
-    install_attention_standins()
+    enable_cpu_fallbacks()  # also installs the flash-attn stand-ins
     # flame's transformer replaces FLA's "transformer" entry (which needs flash_attn)
     for name in ("flame.models.transformer", "custom_models"):
         try:

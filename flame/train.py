@@ -135,7 +135,7 @@ class Trainer(Stateful):
         from flame.data import build_dataloader, build_tokenizer
 
         self.tokenizer = build_tokenizer(cfg)
-        self.model_config = model_build.load_model_config(cfg.model.config)
+        self.model_config = model_build.load_model_config(cfg.model.config, cfg.model.module)
         vocab = model_build.fit_vocab(self.model_config, len(self.tokenizer), cfg.model.vocab_multiple)
         self.dataloader = build_dataloader(cfg, self.tokenizer, self.dp_rank, self.dp_degree)
         self.val_loader = (

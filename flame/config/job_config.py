@@ -30,6 +30,11 @@ class Model:
     tokenizer_path: str | None = None
     """Path of a tokenizer loadable by ``AutoTokenizer.from_pretrained`` (local folder or cached hub id)."""
 
+    module: list[str] = field(default_factory=list)
+    """Python modules to import before the model is built (comma-separated), e.g. ``my_pkg.my_model``:
+    a package of your own that registers its config/model with transformers' Auto classes (and its
+    block class with ``flame.models.register_block_class``). Found on PYTHONPATH or the working directory."""
+
     vocab_multiple: int = 64
     """When the tokenizer has more tokens than the config's vocab_size, the vocab is raised to
     ``len(tokenizer)`` rounded up to this multiple (keeps the embedding/head matmuls aligned)."""

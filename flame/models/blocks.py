@@ -3,7 +3,8 @@
 Activation checkpointing, per-block compile, FSDP2 wrapping and the offload engine all work
 block by block; models name their block list differently (``model.layers``,
 ``backbone.layers``, ``transformer.h``), so the list is found structurally: the largest
-``nn.ModuleList`` whose children share one class.
+``nn.ModuleList`` whose children share one class, unless the model's package named its block class
+with ``flame.models.register_block_class`` (then the list of blocks of that class).
 """
 
 from torch import nn
@@ -11,6 +12,9 @@ from torch import nn
 
 def find_block_list(model: nn.Module) -> tuple[nn.Module, str, nn.ModuleList]:
     """Return ``(parent, attribute, blocks)`` for the model's decoder block list."""
+    from flame.models.registry import BLOCK_CLASSES
+
+    wanted = BLOCK_CLASSES.get(getattr(getattr(model, "config", None), "model_type", None))
     best = None
     for parent_name, parent in model.named_modules():
         for attr, child in parent.named_children():
@@ -18,13 +22,14 @@ def find_block_list(model: nn.Module) -> tuple[nn.Module, str, nn.ModuleList]:
                 continue
             # wrapped blocks (checkpoint/compile) still count by their inner class
             classes = {type(_unwrap(b)) for b in child}
-            if len(classes) > 2:
+            if len(classes) > 2 or (wanted and {c.__name__ for c in classes} != {wanted}):
                 continue
             size = sum(p.numel() for p in child.parameters())
             if best is None or size > best[0]:
                 best = (size, parent, attr, child)
     if best is None:
-        raise ValueError(f"{type(model).__name__}: no nn.ModuleList of decoder blocks found")
+        which = f"of registered block class {wanted!r} " if wanted else ""
+        raise ValueError(f"{type(model).__name__}: no nn.ModuleList {which}of decoder blocks found")
     return best[1], best[2], best[3]
 
 

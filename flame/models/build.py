@@ -14,15 +14,19 @@ from torch import nn
 from flame.errors import ConfigError
 
 
-def register_model_families() -> None:
-    """Make FLA, flame's own and ``custom_models`` architectures known to the Auto classes."""
-    import flame  # noqa: F401  (its __init__ registers everything)
+def register_model_families(modules: list[str] | str | None = None) -> None:
+    """Make FLA, flame's own and ``custom_models`` architectures known to the Auto classes, then
+    the user's: the packages named by ``model.module`` and the ``flame.models`` entry points."""
+    import flame  # noqa: F401  (its __init__ registers everything in the tree)
+    from flame.models.registry import import_model_modules
+
+    import_model_modules(modules)
 
 
-def load_model_config(path: str):
+def load_model_config(path: str, modules: list[str] | str | None = None):
     from transformers import AutoConfig
 
-    register_model_families()
+    register_model_families(modules)
     if not os.path.exists(path):
         raise ConfigError(f"model.config {path!r}: no such file")
     try:

@@ -6,7 +6,9 @@ these into FLOPs; tests and docs use ``FAMILIES`` to know what is covered where.
 """
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
+from typing import Callable
 
 from flame.errors import ConfigError
 
@@ -17,7 +19,7 @@ class Family:
     cpu: whether the family runs on CPU (FLA families through flame.models.cpu)."""
     kind: str
     cpu: bool
-    source: str  # 'fla', 'hf', 'flame' or 'custom'
+    source: str  # 'fla', 'hf', 'flame', 'custom' or 'user' (registered by model.module)
 
 
 FAMILIES: dict[str, Family] = {
@@ -104,20 +106,72 @@ def _native_mixer(config, mt: str) -> Mixer:
     if mt == 'retention_lm':
         h = config.num_heads
         return Mixer('gla', h, d // h, d // h)
-    raise ConfigError(f"flame does not know the token mixer of model_type {mt!r} (add it to flame/models/registry.py)")
+    raise ConfigError(f"flame does not know the token mixer of model_type {mt!r} "
+                      f"(register it: flame.models.register_mixer)")
+
+
+# -- models from outside flame: registered by the user's package (see custom_models/README.md) --
+
+BLOCK_CLASSES: dict[str, str] = {}
+MIXERS: dict[str, Callable] = {}
+ENTRY_POINT_GROUP = 'flame.models'
+
+
+def register_block_class(model_type: str, class_name: str) -> None:
+    """Tell flame the class name of ``model_type``'s repeated decoder block (FSDP, activation
+    checkpointing, per-block compile and the offload engine work block by block). Without it
+    flame takes the largest ``nn.ModuleList`` of one class."""
+    BLOCK_CLASSES[model_type] = class_name
+
+
+def register_mixer(model_type: str, mixer: Callable, kind: str = 'linear') -> None:
+    """``mixer(config) -> Mixer | list[Mixer]``: the token mixer of ``model_type``'s layers (one for
+    all layers, or one per layer), for FLOPs counting and the offload planner.
+    kind: 'softmax' | 'linear' | 'hybrid'."""
+    if kind not in ('softmax', 'linear', 'hybrid'):
+        raise ConfigError(f"register_mixer kind {kind!r} is not one of softmax, linear, hybrid")
+    MIXERS[model_type] = mixer
+    FAMILIES.setdefault(model_type, Family(kind, True, 'user'))
+
+
+def import_model_modules(modules: list[str] | str | None) -> None:
+    """Import the packages named by ``model.module`` (they register their configs and models with
+    transformers' Auto classes and call the functions above), then the ``flame.models`` entry points
+    of installed packages. Idempotent (Python caches imports)."""
+    if isinstance(modules, str):
+        modules = [m for m in modules.split(',') if m.strip()]
+    for name in modules or ():
+        name = name.strip()
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name and name.startswith(e.name):
+                raise ConfigError(f"model.module {name!r} cannot be imported: no module named {e.name!r} "
+                                  f"(is its folder on PYTHONPATH or the working directory?)") from None
+            raise
+    from importlib.metadata import entry_points
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        ep.load()
 
 
 def layer_mixers(config) -> list[Mixer]:
-    """Per-layer mixers of a transformers config (FLA, flame, HF llama/qwen3-like, custom_models)."""
+    """Per-layer mixers of a transformers config (FLA, flame, HF llama/qwen3-like, custom_models,
+    models registered with ``register_mixer``)."""
     mt = config.model_type
     n = config.num_hidden_layers
+    if mt in MIXERS:
+        got = MIXERS[mt](config)
+        got = list(got) if isinstance(got, (list, tuple)) else [got] * n
+        if len(got) != n or not all(isinstance(m, Mixer) for m in got):
+            raise ConfigError(f"the mixer registered for model_type {mt!r} must return a Mixer or {n} Mixers")
+        return got
     fam = FAMILIES.get(mt)
     if mt == 'transformer':
         return [_softmax_mixer(config, window=getattr(config, 'window_size', None))] * n
     if fam is None or fam.source == 'hf':
         if not hasattr(config, 'num_attention_heads'):
             raise ConfigError(f"flame does not know the token mixer of model_type {mt!r} "
-                              f"(add it to flame/models/registry.py)")
+                              f"(register it: flame.models.register_mixer)")
         types = getattr(config, 'layer_types', None) or ['full_attention'] * n
         sliding = getattr(config, 'sliding_window', None)
         if not getattr(config, 'use_sliding_window', True):

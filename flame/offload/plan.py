@@ -90,7 +90,7 @@ def plan_for(job) -> tuple[Plan, ModelCosts | None, Offload]:
     if off.plan == "auto" and not off.profile:
         off.profile = _profile_for(job) or ""
         device = "cpu" if off.profile else "cuda"  # measured here and cached in the dump folder
-    config = load_model_config(job.model.config)  # as the trainer loads it (HF models default to SDPA)
+    config = load_model_config(job.model.config, job.model.module)  # as the trainer loads it (HF models default to SDPA)
     plan, costs, _ = build_plan(SimpleNamespace(config=config), job, device, world, threads_from_profile=True)
     return plan, costs, off
 

@@ -4,8 +4,9 @@
         [--dtype bfloat16] [--out DIR] [--max-shard-size 5GB] [--overwrite]
 
 Reads ``DUMP/checkpoint/step-N`` (model keys only) and writes ``DIR`` (default ``DUMP/hf_steps/step-N``).
-``--config`` / ``--tokenizer`` default to ``model.config`` / ``model.tokenizer_path`` of the
-``DUMP/job_config.json`` the trainer writes. Bad input: one line on stderr, exit status 2.
+The model is rebuilt as the run built it, from the ``DUMP/job_config.json`` the trainer writes:
+``model.config``, ``model.tokenizer_path`` (the vocabulary raised to the tokenizer's size by
+``model.vocab_multiple``) and ``model.module``; ``--config`` / ``--tokenizer`` override the paths. Bad input: one line on stderr, exit status 2.
 """
 from __future__ import annotations
 
@@ -30,17 +31,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(args) -> str:
-    from flame.utils.hf_export import export_hf, resolve_job_config
+    from flame.utils.hf_export import export_hf, run_model_config
     dump = args.path
     ckpt = os.path.join(dump, 'checkpoint', f'step-{args.step}')
     if not os.path.isdir(ckpt):
         raise ConfigError(f"no checkpoint at {ckpt!r}")
-    saved = resolve_job_config(dump)
-    config = args.config or saved.get('config')
-    if not config:
-        raise ConfigError(f"no model config: {os.path.join(dump, 'job_config.json')!r} is absent or has no "
-                          f"model.config; pass --config")
-    tokenizer = args.tokenizer or saved.get('tokenizer')
+    config, tokenizer = run_model_config(dump, args.config, args.tokenizer)
     out = args.out or os.path.join(dump, 'hf_steps', f'step-{args.step}')
     return export_hf(ckpt, config, tokenizer, out, dtype=args.dtype, max_shard_size=args.max_shard_size,
                      overwrite=args.overwrite)

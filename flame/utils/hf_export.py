@@ -10,19 +10,35 @@ hold the model keys alone.
 and shapes, checks them against the DCP metadata, and loads one output shard at a time, so neither
 the optimizer state nor the whole model needs to fit in RAM. Output is written to a temporary
 sibling folder and renamed into place at the end, so a failed export leaves nothing loadable.
+Files and folders get the modes the process umask gives (as ``open``/``mkdir`` would).
+
+What the folder holds depends on the family (``plan_export``), so that it loads without flame:
+
+* flame's ``transformer`` whose blocks are exactly Llama's (``flame.utils.export_llama``):
+  ``LlamaForCausalLM`` (llama config, renamed weights), loadable with plain transformers;
+* FLA families: FLA's own config and weights, loadable after ``import fla``;
+* HF families (llama, qwen3, ...): as they are;
+* everything else (softpick-family or windowed transformers, custom models): the config and weights
+  plus the modeling code (``auto_map``, ``flame.utils.remote_code``), loadable with
+  ``trust_remote_code=True``; when the code cannot be bundled, the folder loads only where the
+  model's package is importable (a warning says so).
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
 import tempfile
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 
 from flame.errors import ConfigError
+
+logger = logging.getLogger('flame.export')
 
 DTYPES = {'float32': torch.float32, 'fp32': torch.float32, 'bfloat16': torch.bfloat16, 'bf16': torch.bfloat16,
           'float16': torch.float16, 'fp16': torch.float16}
@@ -137,16 +153,107 @@ def _check_against_metadata(keys: dict, metadata, path: str) -> None:
                               f"the config expects {tuple(shape)}: wrong --config for this checkpoint?")
 
 
-def _save_tokenizer(tokenizer, out: str) -> None:
-    if tokenizer is None:
-        return
-    if isinstance(tokenizer, (str, os.PathLike)):
-        from transformers import AutoTokenizer
+@dataclass
+class ExportPlan:
+    """What goes into the folder: ``config`` (written as config.json), weight names renamed by
+    ``rename``, modeling files ``code`` (name -> source). ``kind``: llama | fla | hf | remote | package."""
+    kind: str
+    config: Any
+    rename: Callable[[str], str] = lambda k: k
+    code: dict[str, str] = field(default_factory=dict)
+    note: str = ''
+
+
+# flame-side speed switches of the transformer config that call FLA's fused kernels on GPU; the
+# exported modeling code runs the same math in torch
+_FUSE_FLAGS = ('fuse_norm', 'fuse_swiglu', 'fuse_cross_entropy', 'fuse_linear_cross_entropy')
+
+
+def _copy_config(config):
+    return config.__class__.from_dict(config.to_dict())
+
+
+def _remote_plan(config, note: str) -> ExportPlan:
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    from flame.utils.remote_code import BundleError, bundle
+    config = _copy_config(config)
+    classes = {'AutoConfig': type(config)}
+    for auto in (AutoModel, AutoModelForCausalLM):
         try:
-            tokenizer = AutoTokenizer.from_pretrained(str(tokenizer))
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"tokenizer {str(tokenizer)!r} cannot be loaded: {str(e).splitlines()[0]}") from None
-    tokenizer.save_pretrained(out)
+            classes[auto.__name__] = auto._model_mapping[type(config)]
+        except KeyError:
+            pass
+    top = type(config).__module__.split('.')[0]
+    try:
+        code, auto_map = bundle(classes, (top,))
+    except BundleError as e:
+        return ExportPlan('package', config, note=f"{note}; its modeling code cannot be bundled ({e}): the folder "
+                                                  f"loads only where package {top!r} is importable")
+    if getattr(config, 'model_type', None) == 'transformer':
+        from flame.models.attention.registry import get_backend
+        for flag in _FUSE_FLAGS:
+            if hasattr(config, flag):
+                setattr(config, flag, False)
+        # FLA's parallel_attn is plain softmax attention: SDPA computes the same without FLA
+        impl = config.attn_impl
+        swap = lambda n: 'sdpa' if get_backend(n).impl == 'fla' else n  # noqa: E731
+        config.attn_impl = [swap(n) for n in impl] if isinstance(impl, list) else swap(impl)
+    config.auto_map = auto_map
+    config.architectures = [classes['AutoModelForCausalLM'].__name__] if 'AutoModelForCausalLM' in classes else None
+    return ExportPlan('remote', config, code=code, note=f"{note}; exported with its modeling code "
+                                                       f"(load with trust_remote_code=True)")
+
+
+def plan_export(config) -> ExportPlan:
+    """How ``config``'s family is exported so that it loads without flame (see the module doc)."""
+    from flame.utils.export_llama import llama_config, llama_key, llama_mismatches
+    source = type(config).__module__.split('.')[0]
+    if config.model_type == 'transformer' and source == 'flame':
+        why = llama_mismatches(config)
+        if not why:
+            return ExportPlan('llama', llama_config(config), rename=llama_key, note='exported as LlamaForCausalLM')
+        return _remote_plan(config, f"flame transformer with {', '.join(why)} has no standard equivalent")
+    if source == 'fla':
+        config = _copy_config(config)
+        from transformers import AutoModelForCausalLM
+        cls = AutoModelForCausalLM._model_mapping.get(type(config), None)
+        if cls is not None:
+            config.architectures = [cls.__name__]
+        return ExportPlan('fla', config, note="FLA model (load after 'import fla')")
+    if source == 'transformers':
+        return ExportPlan('hf', _copy_config(config))
+    return _remote_plan(config, f"model_type {config.model_type!r} is not part of transformers or FLA")
+
+
+def _umask_modes() -> tuple[int, int]:
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o777 & ~mask, 0o666 & ~mask
+
+
+def _apply_umask(folder: str) -> None:
+    """mkdtemp makes 0700 folders and safetensors 0600 files: give them what the umask allows."""
+    dir_mode, file_mode = _umask_modes()
+    for root, _, files in os.walk(folder):
+        os.chmod(root, dir_mode)
+        for f in files:
+            os.chmod(os.path.join(root, f), file_mode)
+
+
+def _load_tokenizer(tokenizer):
+    if not isinstance(tokenizer, (str, os.PathLike)):
+        return tokenizer
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(str(tokenizer))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"tokenizer {str(tokenizer)!r} cannot be loaded: {str(e).splitlines()[0]}") from None
+
+
+def _save_tokenizer(tokenizer, out: str) -> None:
+    if tokenizer is not None:
+        _load_tokenizer(tokenizer).save_pretrained(out)
 
 
 def export_hf(model_state_dict_or_checkpoint_dir: dict[str, torch.Tensor] | str, model_config, tokenizer,
@@ -175,6 +282,7 @@ def export_hf(model_state_dict_or_checkpoint_dir: dict[str, torch.Tensor] | str,
     if os.path.exists(out_dir) and os.listdir(out_dir) and not overwrite:
         raise ConfigError(f"output folder {out_dir!r} exists and is not empty (pass overwrite to replace it)")
     keys = model_keys(config)
+    plan = plan_export(config)
 
     from_dcp = not isinstance(model_state_dict_or_checkpoint_dir, dict)
     if from_dcp:
@@ -203,18 +311,23 @@ def export_hf(model_state_dict_or_checkpoint_dir: dict[str, torch.Tensor] | str,
                 t = part[k]
                 if hasattr(t, 'full_tensor'):  # a DTensor from a live (sharded) model
                     t = t.full_tensor()
-                tensors[k] = t.detach().to('cpu', dtype if t.is_floating_point() else t.dtype).contiguous()
-                total += tensors[k].numel() * tensors[k].element_size()
-                weight_map[k] = fname
+                t = t.detach().to('cpu', dtype if t.is_floating_point() else t.dtype).contiguous()
+                tensors[plan.rename(k)] = t
+                total += t.numel() * t.element_size()
+                weight_map[plan.rename(k)] = fname
             save_file(tensors, os.path.join(tmp, fname), metadata={'format': 'pt'})
             del part, tensors
         if n > 1:
             with open(os.path.join(tmp, 'model.safetensors.index.json'), 'w') as f:
                 json.dump({'metadata': {'total_size': total}, 'weight_map': weight_map}, f, indent=2)
-        config = config.__class__.from_dict(config.to_dict())  # do not mutate the caller's config
-        config.dtype = dtype
-        config.save_pretrained(tmp)
+        out_config = plan.config  # a copy: the caller's config is not changed
+        out_config.dtype = dtype
+        out_config.save_pretrained(tmp)
+        for name, text in plan.code.items():
+            with open(os.path.join(tmp, name), 'w') as f:
+                f.write(text)
         _save_tokenizer(tokenizer, tmp)
+        _apply_umask(tmp)
         if os.path.exists(out_dir):
             old = tempfile.mkdtemp(prefix=f'.{os.path.basename(out_dir)}.old-', dir=parent)
             os.rename(out_dir, os.path.join(old, 'x'))
@@ -225,6 +338,10 @@ def export_hf(model_state_dict_or_checkpoint_dir: dict[str, torch.Tensor] | str,
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if plan.note:
+        logger.info(f"flame: {out_dir}: {plan.note}")
+        if plan.kind == 'package':
+            logger.warning(f"flame: {plan.note}")
     return out_dir
 
 
@@ -267,16 +384,45 @@ def hf_to_dcp(hf_dir: str, checkpoint_dir: str, dtype: str | torch.dtype = 'floa
 
 
 def resolve_job_config(dump: str) -> dict[str, Any]:
-    """``model.config`` and ``model.tokenizer_path`` from ``<dump>/job_config.json`` (nested or
-    dotted keys), or {} if the file is absent."""
+    """What an export needs from ``<dump>/job_config.json`` (nested or dotted keys): ``config``
+    (model.config), ``tokenizer`` (model.tokenizer_path), ``vocab_multiple`` and ``module``
+    (model.module); {} if the file is absent."""
     path = os.path.join(dump, 'job_config.json')
     if not os.path.isfile(path):
         return {}
     try:
-        data = json.load(open(path))
+        with open(path) as f:
+            data = json.load(f)
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path!r} is not valid JSON: {e}") from None
     model = data.get('model', {}) if isinstance(data.get('model'), dict) else {}
-    out = {'config': model.get('config', data.get('model.config')),
-           'tokenizer': model.get('tokenizer_path', data.get('model.tokenizer_path'))}
+
+    def get(key):
+        return model.get(key, data.get(f'model.{key}'))
+
+    out = {'config': get('config'), 'tokenizer': get('tokenizer_path'), 'vocab_multiple': get('vocab_multiple'),
+           'module': get('module')}
     return {k: v for k, v in out.items() if v}
+
+
+def run_model_config(dump: str, config: str | None = None, tokenizer: str | None = None):
+    """The model config a run trained, rebuilt from ``<dump>/job_config.json`` as the trainer built
+    it: its ``model.module`` imported, the vocabulary raised to the tokenizer's size
+    (``model.vocab_multiple``). ``config`` / ``tokenizer`` override the saved paths.
+    Returns ``(PretrainedConfig, tokenizer path or None)``."""
+    from flame.models.build import fit_vocab
+    from flame.models.registry import import_model_modules
+
+    saved = resolve_job_config(dump)
+    config = config or saved.get('config')
+    if not config:
+        raise ConfigError(f"no model config: {os.path.join(dump, 'job_config.json')!r} is absent or has no "
+                          f"model.config; pass --config")
+    register_families()
+    import_model_modules(saved.get('module'))
+    config = load_config(config)
+    tokenizer = tokenizer or saved.get('tokenizer')
+    if tokenizer:
+        config = _copy_config(config)
+        fit_vocab(config, len(_load_tokenizer(tokenizer)), int(saved.get('vocab_multiple') or 64))
+    return config, tokenizer

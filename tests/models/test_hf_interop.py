@@ -38,11 +38,12 @@ def hf_dir(tmp_path_factory):
 @pytest.fixture(scope='module')
 def training_dump(tmp_path_factory):
     """A dump folder laid out like a torchtitan run: model keys flattened at the top level of the
-    DCP state next to 'optimizer' and 'train_state', plus the job_config.json flame writes."""
+    DCP state next to 'optimizer' and 'train_state', plus the job_config.json flame writes. As in a
+    real run, the vocabulary of the config (256) was raised to the tokenizer's (8192)."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
     from torchtitan.components.checkpoint import ModelWrapper
     dump = tmp_path_factory.mktemp('dump')
-    model = _llama(seed=1)
+    model = _llama(seed=1, vocab_size=8192)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ids = torch.randint(0, 256, (2, 16))
     model(input_ids=ids, labels=ids).loss.backward()
@@ -52,7 +53,8 @@ def training_dump(tmp_path_factory):
     state['train_state'] = {'step': 5}
     dcp.save(state, checkpoint_id=str(dump / 'checkpoint' / 'step-5'))
     with open(dump / 'job_config.json', 'w') as f:
-        json.dump({'model': {'config': os.path.join(DEBUG_DIR, 'llama.json'), 'tokenizer_path': TOKENIZER}}, f)
+        json.dump({'model': {'config': os.path.join(DEBUG_DIR, 'llama.json'), 'tokenizer_path': TOKENIZER,
+                             'vocab_multiple': 64}}, f)
     return str(dump), model
 
 

@@ -1,7 +1,7 @@
 """Pure-torch CPU fallbacks for FLA 0.6.0 (whose ops are Triton-only).
 
-Call :func:`enable_cpu_fallbacks` once (it is idempotent) before running FLA models on CPU. It
-replaces FLA's Triton entry points by device dispatchers: CPU tensors take flame's torch code, any
+``import flame`` calls :func:`enable_cpu_fallbacks` (it is idempotent), so FLA models run on CPU
+(training, ``generate``) with no further call. It replaces FLA's Triton entry points by device dispatchers: CPU tensors take flame's torch code, any
 other device calls the original FLA function unchanged.
 
 Covered model families (forward + backward, float32 and bfloat16, tested in tests/models):
@@ -18,7 +18,7 @@ import importlib
 
 from flame.models.cpu import modules as M
 from flame.models.cpu import ops as O
-from flame.models.cpu.patch import MARK, patch_function_everywhere, patch_method, unpatch_everywhere, unpatch_method
+from flame.models.cpu.patch import MARK, patch_functions_everywhere, patch_method, unpatch_everywhere, unpatch_method
 
 CPU_FAMILIES = ('gla', 'delta_net', 'gated_deltanet', 'gsa', 'hgrn2', 'mamba', 'mamba2', 'samba')
 
@@ -62,11 +62,7 @@ def enable_cpu_fallbacks() -> dict:
     """
     import fla  # noqa: F401  (registers FLA models and imports every layer module)
 
-    report = {}
-    for home, name, impl in FUNCTION_PATCHES:
-        n = patch_function_everywhere(home, name, impl)
-        if n:
-            report[f'{home}.{name}'] = n
+    report = patch_functions_everywhere(FUNCTION_PATCHES)
 
     from fla.modules.fused_cross_entropy import FusedCrossEntropyLoss
     from fla.modules.fused_linear_cross_entropy import FusedLinearCrossEntropyLoss

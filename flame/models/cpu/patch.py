@@ -89,6 +89,32 @@ def patch_function_everywhere(home_module: str, name: str, cpu_impl: Callable) -
     return _rebind_everywhere(lambda v: wrapper if v is original else v)
 
 
+def patch_functions_everywhere(patches) -> dict[str, int]:
+    """``patch_function_everywhere`` for many ``(home_module, name, cpu_impl)`` at once, in one pass
+    over the loaded ``fla.*`` modules (what makes it cheap enough for ``import flame``)."""
+    wrappers, names = {}, {}
+    for home_module, name, cpu_impl in patches:
+        home = sys.modules.get(home_module)
+        if home is None:
+            __import__(home_module)
+            home = sys.modules[home_module]
+        current = getattr(home, name)
+        original = getattr(current, MARK, current)
+        wrappers[id(original)] = current if hasattr(current, MARK) else make_dispatcher(original, cpu_impl)
+        names[id(original)] = f'{home_module}.{name}'
+    counts: dict[str, int] = {}
+
+    def replace(v):
+        w = wrappers.get(id(v))
+        if w is None or w is v:
+            return v
+        counts[names[id(v)]] = counts.get(names[id(v)], 0) + 1
+        return w
+
+    _rebind_everywhere(replace)
+    return counts
+
+
 def unpatch_everywhere() -> int:
     """Every dispatcher in loaded ``fla.*`` modules and registries back to its original."""
     return _rebind_everywhere(lambda v: getattr(v, MARK) if hasattr(v, MARK) else v)
