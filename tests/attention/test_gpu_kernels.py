@@ -133,3 +133,64 @@ def test_transformer_gpu_matches_naive():
         assert rel(a, b) < 2e-2, (fast, rel(a, b))
         out = m_fast.generate(x[:, :20], max_new_tokens=5, do_sample=False)
         assert out.shape == (1, 25)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("varlen", [False, True])
+def test_compiled_matches_eager_and_float64(mode, varlen):
+    """torch.compile(fullgraph=True) with inductor around the kernels: forward and every gradient
+    against float64, as uncompiled (the custom ops stay opaque calls)."""
+    from flame.ops.attention import parallel_attention
+
+    torch.manual_seed(17 + MODES.index(mode))
+    B, T = 2, 777
+    q, k, v, do = make(B, T, 8, 2, 64)
+    cu = torch.tensor([0, 300, 301, 900, 1400, B * T], device="cuda", dtype=torch.int32) if varlen else None
+    max_seqlen = 600 if varlen else None
+
+    def fn(q, k, v):
+        # a scale by a Python float around the op, as in a model block (inductor emits a kernel for it)
+        return parallel_attention(q * 1.0, k, v, mode, cu_seqlens=cu, max_seqlen=max_seqlen) * 0.5
+
+    def run(f):
+        xs = [x.clone().requires_grad_() for x in (q, k, v)]
+        o = f(*xs)
+        o.backward(do)
+        return [o * 2] + [x.grad * 2 for x in xs]
+
+    ref = reference(q, k, v, do, mode, cu)
+    eager = run(fn)
+    compiled = run(torch.compile(fn, fullgraph=True))
+    check(eager, ref, f"eager {mode} varlen={varlen}")
+    check(compiled, ref, f"compiled {mode} varlen={varlen}")
+    for name, a, b in zip(("o", "dq", "dk", "dv"), compiled, eager):
+        assert rel(a, b) <= 1e-3, f"compiled vs eager {mode} varlen={varlen}: {name} {rel(a, b):.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("attn_impl", ["parallel_attn", "parallel_softpick_attn", "parallel_rectified_attn",
+                                       "parallel_scaled_softpick_attn"])
+def test_transformer_blocks_compiled(attn_impl):
+    """Every block compiled on its own (as --training.compile does), varlen: logits and weight
+    gradients as uncompiled."""
+    from flame.models.transformer import TransformerConfig, TransformerForCausalLM
+
+    torch.manual_seed(5)
+    kw = dict(hidden_size=256, num_hidden_layers=2, num_heads=4, num_kv_heads=2, vocab_size=512,
+              fuse_norm=False, fuse_swiglu=False, attn_impl=attn_impl)
+    ref_model = TransformerForCausalLM(TransformerConfig(**kw)).cuda()
+    model = TransformerForCausalLM(TransformerConfig(**kw)).cuda()
+    model.load_state_dict(ref_model.state_dict())
+    for i, block in enumerate(model.model.layers):
+        model.model.layers[i] = torch.compile(block)
+    x = torch.randint(0, 512, (1, 600), device="cuda")
+    cu = torch.tensor([0, 250, 251, 600], device="cuda", dtype=torch.int32)
+    out = []
+    for m in (ref_model, model):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = m(input_ids=x, cu_seqlens=cu, max_seqlen=349).logits.float()
+        logits.square().mean().backward()
+        out.append([logits] + [p.grad for p in m.parameters()])
+    for i, (a, b) in enumerate(zip(*out)):
+        assert rel(a, b) <= 1e-2, (attn_impl, i, rel(a, b))

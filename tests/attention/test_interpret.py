@@ -8,6 +8,12 @@ Inputs are fresh each run (the seed is printed on failure; FLAME_TEST_SEED repla
 and rectified, draws with a logit within 1e-4 of 0 are redrawn: the ReLU kink there makes the
 gradient discontinuous, and float32 rounding of q.k can land on the other side of it than float64
 (measured: a logit of -3e-9 gives 3e-3 relative error in dq/dk from that one element).
+
+The same process (importing flame costs most of its time) then checks the custom ops under
+torch.compile: ``torch.library.opcheck`` (schema, fake implementations, autograd registration of
+``flame::attn_fwd`` / ``flame::attn_bwd``), and a ``torch.compile(fullgraph=True)`` function (AOTAutograd
+over the fake implementations; inductor's CPU compile is too slow for CI) that gives exactly the eager
+output and gradients and compiles once while the documents and ``max_seqlen`` change between calls.
 """
 import os
 import subprocess
@@ -18,8 +24,9 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SCRIPT = r"""
-import math, os, zlib
+import math, os, sys, traceback, zlib
 import torch
+from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 from flame.ops.attention import naive_attention, parallel_attention
 
 SEED = int(os.environ["FLAME_TEST_SEED"])
@@ -55,21 +62,80 @@ def check(B, T, HQ, HK, D, mode, cu=None, scale=1.0):
     assert max(errs) < tol, ("seed", SEED, B, T, HQ, HK, D, mode, cu, errs)
     print("ok", mode, B, T, HQ, HK, D, None if cu is None else cu.tolist(), ["%.1e" % e for e in errs])
 
-for mode in ("softmax", "softpick", "rectified"):
-    check(2, 37, 4, 2, 24, mode)                                     # GQA, T and D not tile multiples
-    check(1, 45, 2, 1, 32, mode, torch.tensor([0, 10, 11, 30, 45]))  # varlen incl. a 1-token document
-    check(2, 20, 2, 2, 16, mode, torch.tensor([0, 7, 33, 40]))       # varlen over a batch of 2
-    check(1, 33, 2, 2, 16, mode, scale=4.0)                          # large logits
-check(1, 18, 1, 1, 256, "softpick")                                  # largest head dim
+def kernel_section():
+    for mode in ("softmax", "softpick", "rectified"):
+        check(2, 37, 4, 2, 24, mode)                                     # GQA, T and D not tile multiples
+        check(1, 45, 2, 1, 32, mode, torch.tensor([0, 10, 11, 30, 45]))  # varlen incl. a 1-token document
+        check(2, 20, 2, 2, 16, mode, torch.tensor([0, 7, 33, 40]))       # varlen over a batch of 2
+        check(1, 33, 2, 2, 16, mode, scale=4.0)                          # large logits
+    check(1, 18, 1, 1, 256, "softpick")                                  # largest head dim
+
+def compiled_section():
+    HQ, HK, D, T = 4, 2, 16, 35
+
+    def inputs(cuts):
+        cu = torch.tensor(cuts, dtype=torch.int32)
+        return [torch.randn(1, T, h, D) for h in (HQ, HK, HK, HQ)] + [cu, int((cu[1:] - cu[:-1]).max())]
+
+    q, k, v, do, cu, ms = inputs([0, 9, 30, 35])
+    # the compile below covers test_aot_dispatch_dynamic (slow under the interpreter)
+    CHECKS = ("test_schema", "test_autograd_registration", "test_faketensor")
+    torch.library.opcheck(torch.ops.flame.attn_fwd.default, (q, k, v, cu, 1, 0.25, 1e-6, ms), test_utils=CHECKS)
+    o, lse = torch.ops.flame.attn_fwd(q, k, v, cu, 1, 0.25, 1e-6, ms)
+    torch.library.opcheck(torch.ops.flame.attn_bwd.default, (do, q, k, v, o, lse, cu, 1, 0.25, ms), test_utils=CHECKS)
+    print("opcheck ok")
+
+    def f(q, k, v, cu, max_seqlen, mode):
+        return parallel_attention(q, k, v, mode, cu_seqlens=cu, max_seqlen=max_seqlen)
+
+    def run(fn, q, k, v, do, cu, ms, mode):
+        xs = [x.clone().requires_grad_() for x in (q, k, v)]
+        o = fn(*xs, cu, ms, mode)
+        o.backward(do)
+        return [o] + [x.grad for x in xs]
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True, dynamic=True)
+    for mode, cuts in (("softpick", [0, 20, 35]), ("softpick", [0, 1, 9, 30, 33, 35])):
+        q, k, v, do, cu, ms = inputs(cuts)
+        want = run(f, q, k, v, do, cu, ms, mode)
+        got = run(compiled, q, k, v, do, cu, ms, mode)
+        for name, a, b in zip(("o", "dq", "dk", "dv"), got, want):
+            assert torch.equal(a, b), (mode, cuts, name, (a - b).abs().max().item())
+        print("compiled == eager", mode, cuts)
+    n = len(_debug_get_cache_entry_list(f.__code__))
+    assert n == 1, f"{n} compiled versions of f: recompiled when the documents changed"
+    print("compiled once")
+
+failed = False
+for section in (kernel_section, compiled_section):
+    try:
+        section()
+    except Exception:
+        failed = True
+        print("FAILED", section.__name__, traceback.format_exc())
+sys.exit(1 if failed else 0)
 """
 
 
-def test_kernels_under_interpreter():
+@pytest.fixture(scope="module")
+def interpreter_run():
     seed = os.environ.get("FLAME_TEST_SEED") or str(int.from_bytes(os.urandom(3), "little"))
     env = dict(os.environ, TRITON_INTERPRET="1", FLAME_TEST_SEED=seed,
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    r = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     if r.returncode and "No module named 'triton'" in r.stderr:
         pytest.skip("triton is not installed")
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    assert r.stdout.count("ok ") == 13, r.stdout
+    return r
+
+
+def test_kernels_under_interpreter(interpreter_run):
+    r = interpreter_run
+    assert "FAILED kernel_section" not in r.stdout, r.stdout[-4000:]
+    assert r.stdout.count("ok ") == 13, r.stdout[-2000:] + r.stderr[-4000:]
+
+
+def test_custom_ops_opcheck_and_compile(interpreter_run):
+    r = interpreter_run
+    assert "FAILED compiled_section" not in r.stdout, r.stdout[-4000:]
+    assert "opcheck ok" in r.stdout and r.stdout.count("compiled == eager") == 2, r.stdout[-2000:] + r.stderr[-4000:]
+    assert "compiled once" in r.stdout, r.stdout[-2000:]

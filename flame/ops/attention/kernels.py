@@ -136,6 +136,9 @@ def attn_fwd_kernel(
     MODE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr,
 ):
+    # float scalars may arrive as fp64 (inductor types Python floats so): the loops need fp32
+    scale_log2 = tl.cast(scale_log2, tl.float32)
+    eps = tl.cast(eps, tl.float32)
     blk, h, bos, seqlen = _query_block(CU, T, IS_VARLEN)
     if blk * BM >= seqlen:
         return
@@ -266,6 +269,8 @@ def attn_bwd_dkdv_kernel(
     MODE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr, RAW_SIGN: tl.constexpr,
     BN: tl.constexpr, BM: tl.constexpr,
 ):
+    scale_log2 = tl.cast(scale_log2, tl.float32)  # fp32 whatever the caller's scalar type (see attn_fwd_kernel)
+    scale = tl.cast(scale, tl.float32)
     # key blocks in launch order: the first ones see the most queries, so they start first
     blk = tl.program_id(0)
     hk = tl.program_id(1)
@@ -326,6 +331,8 @@ def attn_bwd_dq_kernel(
     MODE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr, RAW_SIGN: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr,
 ):
+    scale_log2 = tl.cast(scale_log2, tl.float32)  # fp32 whatever the caller's scalar type (see attn_fwd_kernel)
+    scale = tl.cast(scale, tl.float32)
     blk, h, bos, seqlen = _query_block(CU, T, IS_VARLEN)
     if blk * BM >= seqlen:
         return

@@ -1,88 +1,27 @@
-"""Autograd wrapper and launch logic for the Triton attention kernels in ``kernels.py``."""
+"""Launch logic for the Triton attention kernels in ``kernels.py``, as torch custom ops.
+
+``flame::attn_fwd`` and ``flame::attn_bwd`` are ``torch.library`` custom ops with shape-only fake
+implementations and a registered autograd formula: ``torch.compile`` keeps them as opaque calls
+(inductor never re-emits the Triton launches, so it cannot retype their scalar arguments), and
+the tile choice in ``tiles.choose`` runs on real tensors at run time. ``max_seqlen`` is a SymInt
+argument: a compiled caller may pass a dynamic value without recompiling.
+"""
 from __future__ import annotations
 
 import math
-import os
-from typing import NamedTuple
+from typing import Optional
 
 import torch
 
 from flame.errors import ConfigError
-from flame.ops.attention.utils import check_head_dim, check_mode, next_pow2, triton_interpreting
+from flame.ops.attention import tiles
+from flame.ops.attention.tiles import TileConfig, TileKey
+from flame.ops.attention.utils import MODES, check_head_dim, check_mode, next_pow2, triton_interpreting
 
 LOG2E = 1.4426950408889634
-
-
-class TileConfig(NamedTuple):
-    outer: int        # rows owned by one program (queries for fwd/dq, keys for dk/dv)
-    inner: int        # tile length of the loop dimension (must divide ``outer``)
-    num_warps: int
-    num_stages: int
-
-
-# Candidate tiles per kernel ("fwd", "dkdv", "dq") and padded head dim; the first entry is the
-# untuned default (used when FLAME_ATTN_AUTOTUNE=0). _MODE_TILES overrides a (kernel, mode, head
-# dim) where one mode prefers other tiles (softpick's backward holds more live values per element).
-# Head dim 128 ordered by an H100 sweep (benchmarks/attention_tiles.py, B=4 T=4096 H=16 bf16:
-# benchmarks/results/attention_tiles_nvidia_h100_80gb_hbm3.json).
-_FWD = {
-    64: [TileConfig(128, 64, 4, 3), TileConfig(128, 128, 8, 3), TileConfig(64, 64, 4, 3)],
-    128: [TileConfig(64, 64, 4, 3), TileConfig(128, 64, 8, 3), TileConfig(128, 128, 8, 3)],
-    256: [TileConfig(64, 32, 4, 2), TileConfig(64, 64, 8, 2), TileConfig(128, 32, 8, 2)],
-}
-_DKDV = {
-    64: [TileConfig(128, 64, 8, 3), TileConfig(128, 32, 8, 3), TileConfig(64, 32, 4, 3)],
-    128: [TileConfig(128, 64, 8, 2), TileConfig(64, 32, 4, 3), TileConfig(128, 64, 8, 3), TileConfig(64, 64, 4, 2)],
-    256: [TileConfig(64, 32, 8, 2), TileConfig(32, 32, 4, 2), TileConfig(64, 16, 4, 2)],
-}
-_DQ = {
-    64: [TileConfig(128, 64, 8, 3), TileConfig(128, 32, 8, 3), TileConfig(64, 32, 4, 3)],
-    128: [TileConfig(128, 64, 8, 3), TileConfig(64, 32, 4, 3), TileConfig(128, 128, 8, 2)],
-    256: [TileConfig(64, 32, 8, 2), TileConfig(32, 32, 4, 2), TileConfig(64, 16, 4, 2)],
-}
-_TILES = {"fwd": _FWD, "dkdv": _DKDV, "dq": _DQ}
-_MODE_TILES: dict[tuple[str, int, int], list[TileConfig]] = {
-    ("fwd", 1, 128): [TileConfig(128, 64, 8, 3), TileConfig(64, 64, 4, 3), TileConfig(128, 128, 8, 3)],
-    ("dkdv", 1, 128): [TileConfig(64, 32, 4, 3), TileConfig(128, 64, 8, 3), TileConfig(128, 64, 8, 2),
-                       TileConfig(64, 64, 4, 2)],
-    ("dkdv", 2, 128): [TileConfig(128, 64, 8, 3), TileConfig(128, 64, 8, 2), TileConfig(64, 64, 4, 2),
-                       TileConfig(64, 32, 4, 3)],
-}
 _INTERPRET_TILE = TileConfig(16, 16, 1, 1)
-_TUNED: dict[tuple, TileConfig] = {}
 
-
-def tuned_configs() -> dict[str, str]:
-    """The tiles picked so far in this process (for benchmark reports)."""
-    return {"/".join(map(str, k)): str(tuple(v)) for k, v in _TUNED.items()}
-
-
-def _candidates(kernel: str, mode_id: int, bd: int) -> list[TileConfig]:
-    cls = 64 if bd <= 64 else (128 if bd <= 128 else 256)
-    return _MODE_TILES.get((kernel, mode_id, cls)) or _TILES[kernel][cls]
-
-
-def _run_tuned(key: tuple, configs: list[TileConfig], launch) -> None:
-    """Launch with the fastest of ``configs`` for ``key`` (timed once per process)."""
-    if triton_interpreting():
-        launch(_INTERPRET_TILE)
-        return
-    cfg = _TUNED.get(key)
-    if cfg is None:
-        cfg = configs[0]
-        if os.environ.get("FLAME_ATTN_AUTOTUNE", "1") != "0" and len(configs) > 1:
-            from triton.testing import do_bench
-
-            best = math.inf
-            for c in configs:
-                try:
-                    t = do_bench(lambda c=c: launch(c), warmup=3, rep=10)
-                except Exception:  # e.g. out of shared memory for this tile
-                    continue
-                if t < best:
-                    best, cfg = t, c
-        _TUNED[key] = cfg
-    launch(cfg)
+tuned_configs = tiles.tuned_configs
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -93,69 +32,119 @@ def _prec(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-class ParallelAttentionFunction(torch.autograd.Function):
+def _run_tuned(kernel: str, q: torch.Tensor, mode_id: int, group: int, varlen: bool, max_seqlen: int,
+               launch) -> None:
+    """Launch with the tile chosen for this shape class (``tiles.choose``)."""
+    if triton_interpreting():
+        launch(_INTERPRET_TILE)
+        return
+    bd = max(16, next_pow2(q.shape[-1]))
+    key = TileKey(kernel, MODES[mode_id], bd, str(q.dtype).removeprefix("torch."), group, varlen,
+                  tiles.seqlen_bucket(max_seqlen))
+    launch(tiles.choose(key, tiles.candidates(kernel, MODES[mode_id], bd), launch, tiles.device_name(q.device)))
 
-    @staticmethod
-    def forward(ctx, q, k, v, mode_id, scale, eps, cu_seqlens, max_seqlen):
-        from flame.ops.attention.kernels import attn_fwd_kernel
 
-        B, T, HQ, D = q.shape
-        HK = k.shape[2]
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        o = torch.empty_like(q)
-        lse = torch.empty(B * T, HQ, device=q.device, dtype=torch.float32)
-        n_docs = B if cu_seqlens is None else cu_seqlens.numel() - 1
-        bd = max(16, next_pow2(D))
-        cu = cu_seqlens if cu_seqlens is not None else q.new_empty(1, dtype=torch.int32)
+def _n_docs(q: torch.Tensor, cu_seqlens: Optional[torch.Tensor]) -> int:
+    return q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
 
-        def launch(c: TileConfig):
-            attn_fwd_kernel[(_cdiv(max_seqlen, c.outer), HQ, n_docs)](
-                q, k, v, o, lse, cu, scale * LOG2E, eps, T, HQ, HK,
-                D=D, BD=bd, MODE=mode_id, IS_VARLEN=cu_seqlens is not None,
-                PREC=_prec(q.dtype), BM=c.outer, BN=c.inner, num_warps=c.num_warps, num_stages=c.num_stages,
-            )
 
-        _run_tuned(("fwd", bd, mode_id, q.dtype, HQ // HK), _candidates("fwd", mode_id, bd), launch)
-        ctx.save_for_backward(q, k, v, o, lse, cu_seqlens)
-        ctx.meta = (mode_id, scale, max_seqlen, bd)
-        return o
+@torch.library.custom_op("flame::attn_fwd", mutates_args=())
+def attn_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: Optional[torch.Tensor],
+    mode_id: int, scale: float, eps: float, max_seqlen: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output [B, T, HQ, D] and the base-2 log denominators [B * T, HQ] (float32) of contiguous
+    q [B, T, HQ, D], k / v [B, T, HK, D]."""
+    from flame.ops.attention.kernels import attn_fwd_kernel
 
-    @staticmethod
-    def backward(ctx, do):
-        from flame.ops.attention.kernels import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, bwd_delta_kernel
+    B, T, HQ, D = q.shape
+    HK = k.shape[2]
+    o = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+    lse = torch.empty(B * T, HQ, device=q.device, dtype=torch.float32)
+    bd = max(16, next_pow2(D))
+    cu = cu_seqlens if cu_seqlens is not None else q.new_empty(1, dtype=torch.int32)
+    n_docs = _n_docs(q, cu_seqlens)
 
-        q, k, v, o, lse, cu_seqlens = ctx.saved_tensors
-        mode_id, scale, max_seqlen, bd = ctx.meta
-        B, T, HQ, D = q.shape
-        HK = k.shape[2]
-        do = do.contiguous()
-        # D_i = dO_i . O_i in float32, one fused pass (no float32 copies of O and dO)
-        delta = torch.empty(B * T, HQ, device=q.device, dtype=torch.float32)
-        n_rows = B * T * HQ
-        br = 16 if triton_interpreting() else max(16, 8192 // bd)
-        bwd_delta_kernel[(_cdiv(n_rows, br),)](o, do, delta, n_rows, D=D, BD=bd, BR=br, num_warps=4)
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        n_docs = B if cu_seqlens is None else cu_seqlens.numel() - 1
-        cu = cu_seqlens if cu_seqlens is not None else q.new_empty(1, dtype=torch.int32)
-        common = dict(D=D, BD=bd, MODE=mode_id, IS_VARLEN=cu_seqlens is not None, PREC=_prec(q.dtype),
-                      RAW_SIGN=scale > 0)
+    def launch(c: TileConfig):
+        attn_fwd_kernel[(_cdiv(max_seqlen, c.outer), HQ, n_docs)](
+            q, k, v, o, lse, cu, scale * LOG2E, eps, T, HQ, HK,
+            D=D, BD=bd, MODE=mode_id, IS_VARLEN=cu_seqlens is not None,
+            PREC=_prec(q.dtype), BM=c.outer, BN=c.inner, num_warps=c.num_warps, num_stages=c.num_stages,
+        )
 
-        def launch_dkdv(c: TileConfig):
-            attn_bwd_dkdv_kernel[(_cdiv(max_seqlen, c.outer), HK, n_docs)](
-                q, k, v, do, lse, delta, dk, dv, cu, scale * LOG2E, scale, T, HQ, HK,
-                BN=c.outer, BM=c.inner, num_warps=c.num_warps, num_stages=c.num_stages, **common,
-            )
+    _run_tuned("fwd", q, mode_id, HQ // HK, cu_seqlens is not None, max_seqlen, launch)
+    return o, lse
 
-        def launch_dq(c: TileConfig):
-            attn_bwd_dq_kernel[(_cdiv(max_seqlen, c.outer), HQ, n_docs)](
-                q, k, v, do, lse, delta, dq, cu, scale * LOG2E, scale, T, HQ, HK,
-                BM=c.outer, BN=c.inner, num_warps=c.num_warps, num_stages=c.num_stages, **common,
-            )
 
-        key = (bd, mode_id, q.dtype, HQ // HK)
-        _run_tuned(("dkdv",) + key, _candidates("dkdv", mode_id, bd), launch_dkdv)
-        _run_tuned(("dq",) + key, _candidates("dq", mode_id, bd), launch_dq)
-        return dq, dk, dv, None, None, None, None, None
+@attn_fwd.register_fake
+def _attn_fwd_fake(q, k, v, cu_seqlens, mode_id, scale, eps, max_seqlen):
+    B, T, HQ, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty(B * T, HQ, dtype=torch.float32)
+
+
+@torch.library.custom_op("flame::attn_bwd", mutates_args=())
+def attn_bwd(
+    do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+    cu_seqlens: Optional[torch.Tensor], mode_id: int, scale: float, max_seqlen: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv for the output gradient ``do`` of ``attn_fwd`` (q, k, v, o contiguous)."""
+    from flame.ops.attention.kernels import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, bwd_delta_kernel
+
+    B, T, HQ, D = q.shape
+    HK = k.shape[2]
+    bd = max(16, next_pow2(D))
+    do = do.contiguous()
+    # D_i = dO_i . O_i in float32, one fused pass (no float32 copies of O and dO)
+    delta = torch.empty(B * T, HQ, device=q.device, dtype=torch.float32)
+    n_rows = B * T * HQ
+    br = 16 if triton_interpreting() else max(16, 8192 // bd)
+    bwd_delta_kernel[(_cdiv(n_rows, br),)](o, do, delta, n_rows, D=D, BD=bd, BR=br, num_warps=4)
+    dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+    dk = torch.empty(k.shape, device=k.device, dtype=k.dtype)
+    dv = torch.empty(v.shape, device=v.device, dtype=v.dtype)
+    n_docs = _n_docs(q, cu_seqlens)
+    cu = cu_seqlens if cu_seqlens is not None else q.new_empty(1, dtype=torch.int32)
+    common = dict(D=D, BD=bd, MODE=mode_id, IS_VARLEN=cu_seqlens is not None, PREC=_prec(q.dtype),
+                  RAW_SIGN=scale > 0)
+
+    def launch_dkdv(c: TileConfig):
+        attn_bwd_dkdv_kernel[(_cdiv(max_seqlen, c.outer), HK, n_docs)](
+            q, k, v, do, lse, delta, dk, dv, cu, scale * LOG2E, scale, T, HQ, HK,
+            BN=c.outer, BM=c.inner, num_warps=c.num_warps, num_stages=c.num_stages, **common,
+        )
+
+    def launch_dq(c: TileConfig):
+        attn_bwd_dq_kernel[(_cdiv(max_seqlen, c.outer), HQ, n_docs)](
+            q, k, v, do, lse, delta, dq, cu, scale * LOG2E, scale, T, HQ, HK,
+            BM=c.outer, BN=c.inner, num_warps=c.num_warps, num_stages=c.num_stages, **common,
+        )
+
+    varlen = cu_seqlens is not None
+    _run_tuned("dkdv", q, mode_id, HQ // HK, varlen, max_seqlen, launch_dkdv)
+    _run_tuned("dq", q, mode_id, HQ // HK, varlen, max_seqlen, launch_dq)
+    return dq, dk, dv
+
+
+@attn_bwd.register_fake
+def _attn_bwd_fake(do, q, k, v, o, lse, cu_seqlens, mode_id, scale, max_seqlen):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, cu_seqlens, mode_id, scale, eps, max_seqlen = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse, cu_seqlens)
+    ctx.meta = (mode_id, scale, max_seqlen)
+
+
+def _backward(ctx, do, dlse):
+    q, k, v, o, lse, cu_seqlens = ctx.saved_tensors
+    mode_id, scale, max_seqlen = ctx.meta
+    dq, dk, dv = attn_bwd(do, q, k, v, o, lse, cu_seqlens, mode_id, scale, max_seqlen)
+    return dq, dk, dv, None, None, None, None, None
+
+
+attn_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def parallel_attention(
@@ -173,7 +162,8 @@ def parallel_attention(
 
     q: [B, T, HQ, D], k and v: [B, T, HK, D] (HQ % HK == 0), 16 <= D <= 256.
     cu_seqlens: int32 [N + 1] offsets of documents in the flattened B * T tokens (any B);
-    ``max_seqlen`` (longest document) avoids a device sync when given.
+    ``max_seqlen`` (longest document) avoids a device sync when given; under ``torch.compile``
+    pass it from outside the compiled region (computing it here is a graph break).
     Needs CUDA tensors, or CPU tensors with ``TRITON_INTERPRET=1`` (tiny shapes, float32).
     """
     mode_id = check_mode(mode)
@@ -195,4 +185,6 @@ def parallel_attention(
             max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max().item())
     else:
         max_seqlen = T
-    return ParallelAttentionFunction.apply(q, k, v, mode_id, float(scale), float(eps), cu_seqlens, int(max_seqlen))
+    o, _ = attn_fwd(q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens, mode_id, float(scale), float(eps),
+                    max_seqlen)
+    return o
