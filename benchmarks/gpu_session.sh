@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# One device call: install the carried wheels, run the GPU tests and acceptance rows, copy results to $OUT.
+# usage: bash benchmarks/gpu_session.sh TAG "PYTEST_ARGS" "ACCEPTANCE_ARGS"
+#   TAG names the result files; an empty PYTEST_ARGS or ACCEPTANCE_ARGS skips that part.
+set -uo pipefail
+tag=$1; tests=${2:-}; accept=${3:-}
+out=${OUT:-/tmp/out}; mkdir -p "$out"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+if [ -n "$tests" ]; then
+  timeout 300 python3 -m pytest -q -x -p no:cacheprovider $tests 2>&1 | tail -40 | tee "$out/gpu_tests_$tag.txt"
+fi
+if [ -n "$accept" ]; then
+  python3 benchmarks/acceptance.py "$out/acceptance_$tag.json" $accept 2>&1 | grep -v "^WARNING" | tail -60
+fi
