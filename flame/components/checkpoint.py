@@ -56,6 +56,36 @@ def file_record(path: str) -> dict:
     return {"size": size, "crc32": crc}
 
 
+def _checkpoint_files(folder: str) -> list[str]:
+    """The files a record covers: everything in the folder but flame's own markers and temporaries."""
+    return sorted(n for n in os.listdir(folder) if n not in (COMPLETE, SAVING) and not n.endswith(".tmp")
+                  and os.path.isfile(os.path.join(folder, n)))
+
+
+def write_record(folder: str, files: dict, world_size: int = 1) -> None:
+    """Write the completion record (last, atomically) and drop the in-progress marker."""
+    m = _STEP_DIR.match(os.path.basename(os.path.normpath(folder)))
+    tmp = os.path.join(folder, COMPLETE + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump({"format": 1, "step": int(m.group(1)) if m else None, "world_size": world_size,
+                   "files": files}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(folder, COMPLETE))
+    if os.path.exists(os.path.join(folder, SAVING)):
+        os.remove(os.path.join(folder, SAVING))
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # the rename reaches the disk before anything relies on it
+    finally:
+        os.close(fd)
+
+
+def record_folder(folder: str) -> None:
+    """Record a checkpoint written by one process (``convert_hf_to_dcp``) as complete."""
+    write_record(folder, {n: file_record(os.path.join(folder, n)) for n in _checkpoint_files(folder)})
+
+
 def check_file(folder: str, name: str, want: dict) -> str | None:
     """A one-line problem with ``folder/name`` against its record, or None."""
     path = os.path.join(folder, name)
@@ -155,6 +185,9 @@ def mismatch_message(exc: BaseException) -> str | None:
         if m:
             return f"tensor {m.group(3)} is {m.group(1)} in the checkpoint, {m.group(2)} in this model"
         m = re.search(r"Missing key in checkpoint state_dict: (\S+?)\.?$", text, re.M)
+        if m and m.group(1).split(".")[0] in ("optimizer", "lr_scheduler", "dataloader", "train_state"):
+            return (f"it holds no {m.group(1).split('.')[0]} state (a model-only checkpoint, e.g. a last step saved "
+                    "with checkpoint.last_save_model_only)")
         if m:
             return f"tensor {m.group(1)} of this model is not in the checkpoint"
     return None
@@ -176,7 +209,6 @@ class FlameCheckpointManager(CheckpointManager):
             self.keep_latest_k = 1
         self.on_damaged = getattr(checkpoint_config, "on_damaged", "fallback")
         self.allow_fresh_start = getattr(checkpoint_config, "allow_fresh_start", False)
-        self.load_step = checkpoint_config.load_step
         self._pending = None  # (checkpoint_id, future) of an async save without its record yet
         # checksums and verdicts travel over gloo (plain Python objects, any device)
         self._group = dist.new_group(backend="gloo") if self.enable and dist.is_initialized() else None
@@ -214,29 +246,14 @@ class FlameCheckpointManager(CheckpointManager):
         """Collective: each rank checksums its own files, rank 0 writes the record last."""
         rank, world = self._rank_world()
         mine = {}
-        for name in sorted(os.listdir(checkpoint_id)):
-            if name in (COMPLETE, SAVING) or name.endswith(".tmp") or not os.path.isfile(os.path.join(checkpoint_id, name)):
-                continue
+        for name in _checkpoint_files(checkpoint_id):
             m = _RANK_FILE.match(name)
             owner = int(m.group(1)) if m and int(m.group(1)) < world else 0
             if owner == rank:
                 mine[name] = file_record(os.path.join(checkpoint_id, name))
         files = {k: v for part in self._gather(mine) for k, v in part.items()}
-        if rank != 0:
-            return
-        step = int(_STEP_DIR.match(os.path.basename(checkpoint_id)).group(1))
-        tmp = os.path.join(checkpoint_id, COMPLETE + ".tmp")
-        with open(tmp, "w") as f:
-            json.dump({"format": 1, "step": step, "world_size": world, "files": files}, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, os.path.join(checkpoint_id, COMPLETE))
-        os.remove(os.path.join(checkpoint_id, SAVING))
-        fd = os.open(checkpoint_id, os.O_RDONLY)
-        try:
-            os.fsync(fd)  # the rename reaches the disk before anything relies on it
-        finally:
-            os.close(fd)
+        if rank == 0:
+            write_record(checkpoint_id, files, world)
 
     def _finish_pending(self) -> None:
         checkpoint_id, future = self._pending
@@ -258,8 +275,8 @@ class FlameCheckpointManager(CheckpointManager):
             if done.item():
                 self._finish_pending()
         super().save(curr_step, last_step)
-        # torchtitan purges old checkpoints after interval saves only; the final save counts too
-        if last_step and self.enable and self.async_mode == AsyncMode.DISABLED:
+        # torchtitan purges old checkpoints after interval saves only; the final (synchronous) save counts too
+        if last_step and self.enable:
             if os.path.isfile(os.path.join(self._create_checkpoint_id(curr_step), COMPLETE)):
                 self._purge_stale_checkpoints()
 
@@ -292,6 +309,8 @@ class FlameCheckpointManager(CheckpointManager):
 
     @torch.no_grad()
     def load(self, step: int = -1) -> bool:
+        if self.enable_ft_dataloader_checkpoints:
+            self._ft_load()
         if not self.enable:
             return False
         entries = scan(self.folder)
@@ -372,5 +391,5 @@ class FlameCheckpointManager(CheckpointManager):
             detail = mismatch_message(e)
             if detail is None:
                 raise
-            raise ConfigError(f"checkpoint {where} does not fit this model: {detail} "
-                              "(resuming with another model config?)") from None
+            hint = "" if detail.startswith("it holds no") else " (resuming with another model config?)"
+            raise ConfigError(f"checkpoint {where} does not fit this run: {detail}{hint}") from None

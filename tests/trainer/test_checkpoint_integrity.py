@@ -294,3 +294,17 @@ def test_trainer_resumes_from_the_previous_complete_checkpoint(tmp_path, monkeyp
     assert losses(dump)[len(first):] == first[2:4]  # steps 3 and 4 again, exactly
     assert os.listdir(os.path.join(dump, "checkpoint")) == ["step-4"]
     assert os.path.isfile(os.path.join(dump, "checkpoint", "step-4", COMPLETE))
+
+
+def test_convert_refuses_a_damaged_checkpoint(tmp_path, world1, capsys):
+    from flame.utils.convert_dcp_to_hf import main
+
+    mgr, model = manager(tmp_path)
+    save_steps(mgr, model, [1])
+    mgr.close()
+    name = _truncate(tmp_path / "checkpoint" / "step-1")
+    capsys.readouterr()
+    assert main(["--path", str(tmp_path), "--step", "1", "--config", TINY_LLAMA, "--out", str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("flame: error: damaged checkpoint") and f"step-1/{name}" in err and err.count("\n") == 1
+    assert not (tmp_path / "hf").exists()
