@@ -302,6 +302,11 @@ class FlameCheckpointManager(CheckpointManager):
                 self.purge_queue.put(e.path)
 
     # -- loading --------------------------------------------------------------------------
+    def _warn(self, message: str) -> None:
+        """Every rank reaches the same verdict; rank 0 says it (one line on the console, not one per rank)."""
+        if self._rank_world()[0] == 0:
+            logger.warning(message)
+
     def _verify(self, entry: StepFolder) -> str | None:
         rank, world = self._rank_world()
         problems = [p for p in self._gather(verify(entry, rank, world)) if p]
@@ -343,17 +348,17 @@ class FlameCheckpointManager(CheckpointManager):
             if problem is None:
                 incomplete = [e for e in skipped if e.kind == "incomplete"]
                 if incomplete:
-                    logger.warning("checkpoint: skipping incomplete " + ", ".join(
+                    self._warn("checkpoint: skipping incomplete " + ", ".join(
                         f"step-{e.step} ({e.reason})" for e in incomplete) + f"; resuming from step-{entry.step}")
                 return self._load_entry(entry)
             if self.on_damaged == "stop":
                 raise ConfigError(f"damaged checkpoint: {problem} (checkpoint.on_damaged stop; use fallback to "
                                   f"load the previous complete checkpoint)")
-            logger.warning(f"checkpoint: damaged: {problem}; falling back to the previous complete checkpoint")
+            self._warn(f"checkpoint: damaged: {problem}; falling back to the previous complete checkpoint")
             skipped.append(dataclasses.replace(entry, kind="damaged", reason=f"damaged: {problem}"))
         summary = ", ".join(f"step-{e.step} ({e.reason})" for e in skipped)
         if self.allow_fresh_start:
-            logger.warning(f"checkpoint: no usable checkpoint in {self.folder} ({summary}); training from step 1 "
+            self._warn(f"checkpoint: no usable checkpoint in {self.folder} ({summary}); training from step 1 "
                            "(checkpoint.allow_fresh_start)")
             return False
         raise ConfigError(f"no usable checkpoint in {self.folder!r}: {summary}; pass --checkpoint.allow_fresh_start "
@@ -374,7 +379,7 @@ class FlameCheckpointManager(CheckpointManager):
 
     def _load_entry(self, entry: StepFolder) -> bool:
         if entry.kind == "legacy":
-            logger.warning(f"checkpoint: {entry.path} has no completion record (written before flame recorded "
+            self._warn(f"checkpoint: {entry.path} has no completion record (written before flame recorded "
                            "checksums); loading it unverified")
         logger.info(f"Loading the checkpoint from {entry.path}.")
         states = self._states_to_load(model_only=entry.step == 0)

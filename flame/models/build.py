@@ -77,9 +77,11 @@ def check_position_limit(model: nn.Module, model_config, positions: int, option:
     if not isinstance(limit, int) or positions <= limit:
         return
     rope = getattr(model_config, "rope_parameters", None) or getattr(model_config, "rope_scaling", None) or {}
-    rope_type = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
+    # one spec, or one per layer type ({"full_attention": {...}, "sliding_attention": {...}})
+    specs = [rope, *rope.values()] if isinstance(rope, dict) else []
+    rope_types = {spec.get("rope_type", spec.get("type")) for spec in specs if isinstance(spec, dict)}
     where = f"max_position_embeddings {limit} of model.config"
-    if rope_type == "dynamic":
+    if "dynamic" in rope_types:
         raise ConfigError(f"{option} {positions} is larger than the {where}: its 'dynamic' RoPE rescales the "
                           f"frequencies of every position for longer sequences; use at most {limit} or raise "
                           "max_position_embeddings")
