@@ -232,9 +232,18 @@ def test_bad_load_options_are_one_line_errors(tmp_path, world1):
     with pytest.raises(ConfigError, match="checkpoint.initial_load_path .*nowhere.*: no such folder"):
         mgr.load(-1)
     mgr.close()
+    seed = str(tmp_path / "checkpoint" / "step-2")
+    mgr, model = manager(tmp_path / "fresh", initial_load_path=seed)
+    assert mgr.load(-1) and model.weight.unique().item() == 2.0  # a good one loads
+    mgr.close()
+    _truncate(tmp_path / "checkpoint" / "step-2")
+    mgr, _ = manager(tmp_path / "fresh", initial_load_path=seed)
+    with pytest.raises(ConfigError, match="checkpoint.initial_load_path .*step-2.*: damaged .*__0_0.distcp has"):
+        mgr.load(-1)
+    mgr.close()
     mgr, _ = manager(tmp_path, out=4)  # another model shape
     with pytest.raises(ConfigError, match=r"tensor weight is \[8, 8\] in the checkpoint, \[4, 8\] in this model"):
-        mgr.load(-1)
+        mgr.load(1)
     mgr.close()
 
 
