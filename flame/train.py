@@ -150,6 +150,8 @@ class Trainer(Stateful):
             # before the model is built: FLA layers bind their activation functions at construction
             enable_cpu_fallbacks()
         model = model_build.build_meta_model(self.model_config, varlen=t.varlen)
+        model_build.check_position_limit(model, self.model_config, *((t.context_len, "training.context_len")
+                                         if t.varlen else (t.seq_len, "training.seq_len")))
         self.n_params = model_build.count_params(model)
         logger.info(
             f"Model {self.model_config.model_type} from {cfg.model.config}: {self.n_params:,} parameters, vocab {vocab}"

@@ -177,6 +177,15 @@ class Checkpoint:
     hf_upload_timeout_seconds: float = 600.0
     """How long the trainer waits at exit for the background upload to finish."""
 
+    on_damaged: Literal["fallback", "stop"] = "fallback"
+    """What a resume (``load_step -1``) does when the newest complete checkpoint fails its size/checksum
+    check: ``fallback`` logs one line naming the damaged file and loads the previous complete one;
+    ``stop`` exits with that line (status 2). An explicitly requested ``load_step`` always stops."""
+
+    allow_fresh_start: bool = False
+    """Train from step 1 when the checkpoint folder holds step folders but none is usable (all
+    incomplete or damaged); without it that is an error, never a silent restart."""
+
 
 @dataclass
 class ActivationCheckpoint:

@@ -70,6 +70,32 @@ def build_meta_model(model_config, varlen: bool = False) -> nn.Module:
     return model
 
 
+def check_position_limit(model: nn.Module, model_config, positions: int, option: str) -> None:
+    """Refuse sequences longer than ``max_position_embeddings`` where that breaks or silently changes
+    the model: a learned position table (GPT-2's ``wpe``, OPT's ``embed_positions``) has no row past
+    it, and transformers' ``dynamic`` RoPE rescales every frequency once a sequence exceeds it (a
+    prefix then computes differently than alone, so training and inference disagree). Plain,
+    linear, yarn and llama3 RoPE (HF llama/qwen3, FLA attention, flame's transformer) compute any
+    position, so longer sequences are left to the user there."""
+    limit = getattr(model_config, "max_position_embeddings", None)
+    if not isinstance(limit, int) or positions <= limit:
+        return
+    rope = getattr(model_config, "rope_parameters", None) or getattr(model_config, "rope_scaling", None) or {}
+    # one spec, or one per layer type ({"full_attention": {...}, "sliding_attention": {...}})
+    specs = [rope, *rope.values()] if isinstance(rope, dict) else []
+    rope_types = {spec.get("rope_type", spec.get("type")) for spec in specs if isinstance(spec, dict)}
+    where = f"max_position_embeddings {limit} of model.config"
+    if "dynamic" in rope_types:
+        raise ConfigError(f"{option} {positions} is larger than the {where}: its 'dynamic' RoPE rescales the "
+                          f"frequencies of every position for longer sequences; use at most {limit} or raise "
+                          "max_position_embeddings")
+    inputs = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Embedding) and module is not inputs and limit <= module.num_embeddings <= limit + 2:
+            raise ConfigError(f"{option} {positions} is larger than the {where}: the learned position table "
+                              f"{name} has no row past position {module.num_embeddings - 1}")
+
+
 def _clear_init_marks(model: nn.Module) -> None:
     # transformers marks modules built on meta as initialized; the real init must run again.
     for module in model.modules():

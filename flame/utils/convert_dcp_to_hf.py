@@ -7,6 +7,8 @@ Reads ``DUMP/checkpoint/step-N`` (model keys only) and writes ``DIR`` (default `
 The model is rebuilt as the run built it, from the ``DUMP/job_config.json`` the trainer writes:
 ``model.config``, ``model.tokenizer_path`` (the vocabulary raised to the tokenizer's size by
 ``model.vocab_multiple``) and ``model.module``; ``--config`` / ``--tokenizer`` override the paths. Bad input: one line on stderr, exit status 2.
+An incomplete or damaged step folder (see the checkpoint record in flame.components.checkpoint) is
+such an error. Loading a DCP checkpoint unpickles its ``.metadata``: convert only checkpoints you wrote.
 """
 from __future__ import annotations
 
@@ -18,7 +20,9 @@ from flame.errors import ConfigError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog='python -m flame.utils.convert_dcp_to_hf', description=__doc__.splitlines()[1])
+    p = argparse.ArgumentParser(prog='python -m flame.utils.convert_dcp_to_hf', description=__doc__.splitlines()[1],
+                                epilog='Loading a DCP checkpoint unpickles its .metadata (a crafted file runs code): '
+                                       'convert only checkpoints you wrote.')
     p.add_argument('--path', required=True, help='dump folder of the training run')
     p.add_argument('--step', required=True, type=int, help='checkpoint step to convert')
     p.add_argument('--config', help='model config (JSON or HF folder); default: from DUMP/job_config.json')
@@ -38,6 +42,13 @@ def run(args) -> str:
         raise ConfigError(f"no checkpoint at {ckpt!r}")
     config, tokenizer = run_model_config(dump, args.config, args.tokenizer)
     out = args.out or os.path.join(dump, 'hf_steps', f'step-{args.step}')
+    from flame.components.checkpoint import classify, verify
+    entry = classify(ckpt)
+    if entry.kind == 'incomplete':
+        raise ConfigError(f"checkpoint {ckpt!r} is incomplete ({entry.reason})")
+    problem = verify(entry)
+    if problem:
+        raise ConfigError(f"damaged checkpoint: {problem}")
     return export_hf(ckpt, config, tokenizer, out, dtype=args.dtype, max_shard_size=args.max_shard_size,
                      overwrite=args.overwrite)
 

@@ -357,6 +357,8 @@ def hf_to_dcp(hf_dir: str, checkpoint_dir: str, dtype: str | torch.dtype = 'floa
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
     from transformers import AutoModelForCausalLM
 
+    from flame.components.checkpoint import record_folder
+
     register_families()
     dtype = parse_dtype(dtype)
     if not os.path.isdir(hf_dir) or not os.path.isfile(os.path.join(hf_dir, 'config.json')):
@@ -374,6 +376,7 @@ def hf_to_dcp(hf_dir: str, checkpoint_dir: str, dtype: str | torch.dtype = 'floa
     tmp = tempfile.mkdtemp(prefix=f'.{os.path.basename(checkpoint_dir)}.tmp-', dir=parent)
     try:
         dcp.save(state, checkpoint_id=tmp)
+        record_folder(tmp)  # complete: a run resumes from it without the "no completion record" warning
         if os.path.exists(checkpoint_dir):
             os.rmdir(checkpoint_dir)  # empty, checked above
         os.rename(tmp, checkpoint_dir)
