@@ -230,16 +230,24 @@ class Trainer(Stateful):
         os.replace(tmp, path)
 
     # -- one optimizer step --------------------------------------------------------------
-    @staticmethod
-    def model_inputs(batch: dict) -> tuple[dict, torch.Tensor]:
+    def model_inputs(self, batch: dict) -> tuple[dict, torch.Tensor]:
         """The model's keyword inputs for one micro-batch and its labels in the same token layout."""
         if "cu_seqlens" in batch:
+            # the number of documents changes every step: a dynamic size from the first compiled call
+            # (otherwise dynamo specializes on it and compiles every block again at step 2)
+            torch._dynamo.maybe_mark_dynamic(batch["cu_seqlens"], 0)
             # packed documents: one row of B*T tokens, boundaries in cu_seqlens (FLA's form)
-            return {
+            inputs = {
                 "input_ids": batch["input_ids"].reshape(1, -1),
                 "position_ids": batch["position_ids"].reshape(1, -1),
                 "cu_seqlens": batch["cu_seqlens"],
-            }, batch["labels"].reshape(1, -1)
+            }
+            if self.model_config.model_type == "transformer":
+                # flame's kernels size their grid by the longest document: the data pipeline's bound
+                # is one value for every step (no host sync, no recompilation when it changes)
+                t = self.cfg.training
+                inputs["max_seqlen"] = min(t.context_len, t.seq_len)
+            return inputs, batch["labels"].reshape(1, -1)
         return {"input_ids": batch["input_ids"]}, batch["labels"]
 
     def forward_logits(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,7 +18,7 @@ import importlib
 
 from flame.models.cpu import modules as M
 from flame.models.cpu import ops as O
-from flame.models.cpu.patch import MARK, patch_function_everywhere, patch_method, unpatch_everywhere, unpatch_method
+from flame.models.cpu.patch import MARK, patch_functions_everywhere, patch_method, unpatch_everywhere, unpatch_method
 
 CPU_FAMILIES = ('gla', 'delta_net', 'gated_deltanet', 'gsa', 'hgrn2', 'mamba', 'mamba2', 'samba')
 
@@ -62,11 +62,7 @@ def enable_cpu_fallbacks() -> dict:
     """
     import fla  # noqa: F401  (registers FLA models and imports every layer module)
 
-    report = {}
-    for home, name, impl in FUNCTION_PATCHES:
-        n = patch_function_everywhere(home, name, impl)
-        if n:
-            report[f'{home}.{name}'] = n
+    report = patch_functions_everywhere(FUNCTION_PATCHES)
 
     from fla.modules.fused_cross_entropy import FusedCrossEntropyLoss
     from fla.modules.fused_linear_cross_entropy import FusedLinearCrossEntropyLoss
