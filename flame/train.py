@@ -24,7 +24,8 @@ from torchtitan.tools.logging import init_logger, logger
 import torch.distributed._functional_collectives as funcol
 
 from flame.components.checkpoint import FlameCheckpointManager
-from flame.components.chunked_loss import chunked_head_loss, install_chunked_head, take_chunked_loss
+from flame.components.chunked_loss import (choose_loss_chunk_tokens, chunked_head_loss, install_chunked_head,
+                                           take_chunked_loss, uninstall_chunked_head)
 from flame.components.loss import IGNORE_INDEX, compiled_cross_entropy_sum, cross_entropy_sum
 from flame.components.metrics import MetricsLogger
 from flame.components.optimizer import build_optimizers, clip_grad_norm_
@@ -150,6 +151,10 @@ class Trainer(Stateful):
             # before the model is built: FLA layers bind their activation functions at construction
             enable_cpu_fallbacks()
         model = model_build.build_meta_model(self.model_config, varlen=t.varlen)
+        self.loss_auto = t.loss_chunk_tokens == -1
+        if self.loss_auto:  # chosen before the offload planner, which measures the loss it will run
+            t.loss_chunk_tokens, why = choose_loss_chunk_tokens(model, t.local_batch_size * t.seq_len, pd.tp_enabled)
+            logger.info(why)
         self.n_params = model_build.count_params(model)
         logger.info(
             f"Model {self.model_config.model_type} from {cfg.model.config}: {self.n_params:,} parameters, vocab {vocab}"
@@ -164,7 +169,7 @@ class Trainer(Stateful):
         model.train()
         self.model = model
         self.chunked_head = None
-        if t.loss_chunk_tokens:  # validated with the config (>= 0, no TP)
+        if t.loss_chunk_tokens > 0:  # validated with the config (no TP)
             self.chunked_head = install_chunked_head(model, t.loss_chunk_tokens)
 
         # DDP (replicate) averages gradients; the loss is already normalized by global tokens.
@@ -264,7 +269,16 @@ class Trainer(Stateful):
         inputs, labels = self.model_inputs(batch)
         with chunked_head_loss(self.chunked_head, labels), self.amp:
             out = self.model(**inputs, use_cache=False).logits
-        return take_chunked_loss(self.chunked_head, out)
+        try:
+            return take_chunked_loss(self.chunked_head, out)
+        except ConfigError:
+            if not self.loss_auto:
+                raise
+        # auto mode, a model that changes its logits after the head: the plain loss from now on
+        logger.info("loss: plain logits + cross-entropy (the model changes its output layer's result)")
+        uninstall_chunked_head(self.chunked_head)
+        self.chunked_head = None
+        return self.forward_loss_sum(batch)
 
     def _to_device(self, batch: dict) -> dict:
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items() if not k.startswith("_")}
