@@ -24,7 +24,8 @@ from torchtitan.tools.logging import init_logger, logger
 import torch.distributed._functional_collectives as funcol
 
 from flame.components.checkpoint import FlameCheckpointManager
-from flame.components.chunked_loss import chunked_head_loss, install_chunked_head, take_chunked_loss
+from flame.components.chunked_loss import (choose_loss_chunk_tokens, chunked_head_loss, install_chunked_head,
+                                           take_chunked_loss, uninstall_chunked_head)
 from flame.components.loss import IGNORE_INDEX, compiled_cross_entropy_sum, cross_entropy_sum
 from flame.components.metrics import MetricsLogger, write_run_summary
 from flame.components.optimizer import build_optimizers, clip_grad_norm_
@@ -152,6 +153,10 @@ class Trainer(Stateful):
         model = model_build.build_meta_model(self.model_config, varlen=t.varlen)
         model_build.check_position_limit(model, self.model_config, *((t.context_len, "training.context_len")
                                          if t.varlen else (t.seq_len, "training.seq_len")))
+        self.loss_auto = t.loss_chunk_tokens == -1
+        if self.loss_auto:  # chosen before the offload planner, which measures the loss it will run
+            t.loss_chunk_tokens, why = choose_loss_chunk_tokens(model, t.local_batch_size * t.seq_len, pd.tp_enabled)
+            logger.info(why)
         self.n_params = model_build.count_params(model)
         logger.info(
             f"Model {self.model_config.model_type} from {cfg.model.config}: {self.n_params:,} parameters, vocab {vocab}"
@@ -166,7 +171,7 @@ class Trainer(Stateful):
         model.train()
         self.model = model
         self.chunked_head = None
-        if t.loss_chunk_tokens:  # validated with the config (>= 0, no TP)
+        if t.loss_chunk_tokens > 0:  # validated with the config (no TP)
             self.chunked_head = install_chunked_head(model, t.loss_chunk_tokens)
 
         # DDP (replicate) averages gradients; the loss is already normalized by global tokens.
@@ -232,16 +237,24 @@ class Trainer(Stateful):
         os.replace(tmp, path)
 
     # -- one optimizer step --------------------------------------------------------------
-    @staticmethod
-    def model_inputs(batch: dict) -> tuple[dict, torch.Tensor]:
+    def model_inputs(self, batch: dict) -> tuple[dict, torch.Tensor]:
         """The model's keyword inputs for one micro-batch and its labels in the same token layout."""
         if "cu_seqlens" in batch:
+            # the number of documents changes every step: a dynamic size from the first compiled call
+            # (otherwise dynamo specializes on it and compiles every block again at step 2)
+            torch._dynamo.maybe_mark_dynamic(batch["cu_seqlens"], 0)
             # packed documents: one row of B*T tokens, boundaries in cu_seqlens (FLA's form)
-            return {
+            inputs = {
                 "input_ids": batch["input_ids"].reshape(1, -1),
                 "position_ids": batch["position_ids"].reshape(1, -1),
                 "cu_seqlens": batch["cu_seqlens"],
-            }, batch["labels"].reshape(1, -1)
+            }
+            if self.model_config.model_type == "transformer":
+                # flame's kernels size their grid by the longest document: the data pipeline's bound
+                # is one value for every step (no host sync, no recompilation when it changes)
+                t = self.cfg.training
+                inputs["max_seqlen"] = min(t.context_len, t.seq_len)
+            return inputs, batch["labels"].reshape(1, -1)
         return {"input_ids": batch["input_ids"]}, batch["labels"]
 
     def forward_logits(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -258,7 +271,16 @@ class Trainer(Stateful):
         inputs, labels = self.model_inputs(batch)
         with chunked_head_loss(self.chunked_head, labels), self.amp:
             out = self.model(**inputs, use_cache=False).logits
-        return take_chunked_loss(self.chunked_head, out)
+        try:
+            return take_chunked_loss(self.chunked_head, out)
+        except ConfigError:
+            if not self.loss_auto:
+                raise
+        # auto mode, a model that changes its logits after the head: the plain loss from now on
+        logger.info("loss: plain logits + cross-entropy (the model changes its output layer's result)")
+        uninstall_chunked_head(self.chunked_head)
+        self.chunked_head = None
+        return self.forward_loss_sum(batch)
 
     def _to_device(self, batch: dict) -> dict:
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items() if not k.startswith("_")}

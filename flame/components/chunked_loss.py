@@ -118,6 +118,45 @@ def _head_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return loss
 
 
+# training.loss_chunk_tokens = -1 (auto): the chunked loss when the float32 logits of one micro-batch
+# would exceed this many bytes (with the log-softmax eager cross-entropy keeps, about twice that)
+AUTO_CHUNK_ABOVE_BYTES = 2**30
+# and chunks whose float32 logits take about this many bytes: 4096 tokens at a 32K vocabulary, 1024 at
+# 128K (the chunked loss is as fast as the plain one at these sizes)
+AUTO_CHUNK_BYTES = 2**29
+
+
+def auto_chunk_tokens(vocab: int) -> int:
+    """The chunk of ``loss_chunk_tokens = -1``: the largest power of two of tokens whose float32 logits
+    fit in ``AUTO_CHUNK_BYTES`` (at least 128)."""
+    n = max(1, AUTO_CHUNK_BYTES // (4 * vocab))
+    return max(128, 1 << (n.bit_length() - 1))
+
+
+def choose_loss_chunk_tokens(model: nn.Module, tokens: int, tensor_parallel: bool) -> tuple[int, str]:
+    """``training.loss_chunk_tokens = -1``: ``(chunk tokens or 0 for the plain loss, the log line)``
+    for a model whose micro-batches hold ``tokens`` tokens (checked before the model is materialized)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if type(head) is not nn.Linear:
+        return 0, f"loss: plain logits + cross-entropy (the output layer is {type(head).__name__}, not a plain nn.Linear)"
+    if tensor_parallel:
+        return 0, "loss: plain logits + cross-entropy (the chunked loss needs a whole output layer; tensor parallelism is on)"
+    vocab = head.out_features
+    gib = tokens * vocab * 4 / 2**30
+    if tokens * vocab * 4 <= AUTO_CHUNK_ABOVE_BYTES:
+        return 0, f"loss: plain logits + cross-entropy (float32 logits of {gib:.2f} GiB per micro-batch)"
+    chunk = auto_chunk_tokens(vocab)
+    return chunk, (f"loss: chunked head+loss, {chunk}-token chunks (logits of {gib:.1f} GiB would not be "
+                   "materialized; training.loss_chunk_tokens=0 for the plain loss)")
+
+
+def uninstall_chunked_head(head: nn.Linear) -> None:
+    """Undo `install_chunked_head`: the ordinary Linear forward again."""
+    head.__dict__.pop("forward", None)
+    for name in ("_flame_chunk_labels", "_flame_chunk_tokens", "_flame_chunk_loss"):
+        head.__dict__.pop(name, None)
+
+
 def install_chunked_head(model: nn.Module, chunk_tokens: int) -> nn.Linear:
     """Let the model's output Linear compute the chunked loss (see module doc). Returns the head."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None

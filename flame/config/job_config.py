@@ -67,11 +67,14 @@ class Training:
     varlen: bool = False
     """Pack documents back to back and pass ``cu_seqlens`` so attention never crosses documents."""
 
-    loss_chunk_tokens: int = 0
+    loss_chunk_tokens: int = -1
     """When > 0: the output projection and the cross-entropy run together, this many tokens at a
     time, so the [tokens, vocab] logits are never held whole (saves GPU memory with large
     vocabularies; same result). Needs a plain Linear output layer whose result the model returns
-    unchanged, and no tensor parallelism. 0: ordinary logits + cross-entropy."""
+    unchanged, and no tensor parallelism. 0: ordinary logits + cross-entropy. -1 (default): flame
+    chooses, and logs the choice: chunked when the float32 logits of one micro-batch would exceed
+    1 GiB and the model allows it, in chunks of about 512 MiB of logits (4096 tokens at a 32K
+    vocabulary, 1024 at 128K); otherwise plain."""
 
     skip_nan_inf: bool = False
     """Skip the optimizer step when the gradient norm is NaN/Inf (the LR schedule does not advance)."""

@@ -398,9 +398,9 @@ def validate(cfg) -> None:
         raise ConfigError(f"training.context_len {t.context_len}: must be in [1, training.seq_len={t.seq_len}] with varlen")
     if t.steps < 0:
         raise ConfigError(f"training.steps {t.steps}: must be >= 0")
-    if t.loss_chunk_tokens < 0:
-        raise ConfigError(f"training.loss_chunk_tokens {t.loss_chunk_tokens}: must be >= 0 (0: off)")
-    if t.loss_chunk_tokens and cfg.parallelism.tensor_parallel_degree > 1:
+    if t.loss_chunk_tokens < -1:
+        raise ConfigError(f"training.loss_chunk_tokens {t.loss_chunk_tokens}: must be >= -1 (-1: auto, 0: off)")
+    if t.loss_chunk_tokens > 0 and cfg.parallelism.tensor_parallel_degree > 1:
         raise ConfigError(f"training.loss_chunk_tokens {t.loss_chunk_tokens} with tensor parallel degree "
                           f"{cfg.parallelism.tensor_parallel_degree}: the chunked loss needs a whole output layer; set it to 0")
     if t.max_norm < 0:

@@ -47,6 +47,13 @@ def build_plan(model, job_config, device, world: int = 1, threads_from_profile: 
     candidates = micro_batch_candidates(local, seq, off.micro_batch_tokens, bool(_get(job_config, "training.varlen", False)))
     cdt = getattr(torch, off.compute_dtype)
     chunk = int(_get(job_config, "training.loss_chunk_tokens", 0) or 0)
+    if chunk == -1:  # auto (the trainer resolves it before planning; the plan CLI comes here)
+        from flame.components.chunked_loss import choose_loss_chunk_tokens
+        from flame.models.build import build_meta_model
+
+        meta = model if hasattr(model, "get_output_embeddings") else build_meta_model(model.config)
+        tp = int(_get(job_config, "parallelism.tensor_parallel_degree", 1) or 1) > 1
+        chunk, _ = choose_loss_chunk_tokens(meta, local * seq, tp)
     costs_of = model_costs(model.config, cdt, candidates, seq, loss_chunk_tokens=chunk)
     path = off.profile or os.path.join(_get(job_config, "job.dump_folder", "."), "offload_profile.json")
     if os.path.isfile(path):

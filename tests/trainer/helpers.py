@@ -34,16 +34,35 @@ def torchrun(nproc: int, target: list[str], timeout: int = 300) -> subprocess.Co
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
 
 
-def tiny_job(dump: str, *extra: str, config: str = TINY_LLAMA) -> list[str]:
-    """A few-second CPU job on the bundled corpus and tokenizer."""
+def tiny_job(dump: str, *extra: str, config: str = TINY_LLAMA, precision: str | None = "float32") -> list[str]:
+    """A few-second CPU job on the bundled corpus and tokenizer (``precision`` None: the TOML's)."""
     return [
         "--job.config_file", TOML, "--job.dump_folder", dump,
         "--model.config", config, "--model.tokenizer_path", TOKENIZER,
         "--training.dataset", CORPUS, "--training.batch_size", "4", "--training.seq_len", "64",
-        "--training.num_workers", "0", "--training.mixed_precision_param", "float32",
+        "--training.num_workers", "0",
+        *(["--training.mixed_precision_param", precision] if precision else []),
         "--optimizer.lr", "3e-3", "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1",
         "--checkpoint.no-export-hf", "--offload.enable", "off", *extra,
     ]
+
+
+def train_in_process(args: list[str], before_train=None):
+    """Parse ``args`` (e.g. from `tiny_job`) and train in this process (one rank, gloo); returns the
+    closed Trainer. ``before_train(trainer)`` may wrap its methods first."""
+    from flame.config.manager import FlameConfigManager
+    from flame.train import Trainer
+
+    trainer = Trainer(FlameConfigManager().parse_args(args))
+    try:
+        if before_train is not None:
+            before_train(trainer)
+        trainer.train()
+    finally:
+        trainer.close()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    return trainer
 
 
 def run_job(nproc: int, dump: str, *extra: str, config: str = TINY_LLAMA, timeout: int = 300):

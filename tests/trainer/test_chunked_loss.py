@@ -10,10 +10,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from flame.components.chunked_loss import (chunked_head_loss, install_chunked_head, linear_cross_entropy_sum,
-                                           take_chunked_loss)
+from flame.components import chunked_loss
+from flame.components.chunked_loss import (chunked_head_loss, choose_loss_chunk_tokens, install_chunked_head,
+                                           linear_cross_entropy_sum, take_chunked_loss)
 from flame.errors import ConfigError
-from tests.trainer.helpers import ROOT, TINY_LLAMA, losses, run_job, tiny_job
+from tests.trainer.helpers import ROOT, TINY_LLAMA, losses, run_job, tiny_job, train_in_process
 from tests.trainer.test_training import _flame
 
 SEED = int.from_bytes(os.urandom(3), "little")
@@ -153,7 +154,7 @@ def test_offloaded_trainer_with_chunked_loss_matches_plain(tmp_path):
 
 
 @pytest.mark.parametrize("extra, fragment", [
-    (["--training.loss_chunk_tokens", "-1"], "training.loss_chunk_tokens -1"),
+    (["--training.loss_chunk_tokens", "-2"], "training.loss_chunk_tokens -2"),
     (["--training.loss_chunk_tokens", "64", "--parallelism.tensor_parallel_degree", "2"], "tensor parallel degree 2"),
 ])
 def test_bad_chunk_settings_are_one_line_errors(tmp_path, extra, fragment):
@@ -191,3 +192,65 @@ def test_gpu_bf16_matches_plain_and_uses_less_memory():
     for a, b in zip(chunked[1:3], plain[1:3]):
         assert ((a - b).norm() / b.norm()).item() < 1e-2
     assert chunked[3] < 0.5 * plain[3], (chunked[3], plain[3])
+
+
+class _Model(nn.Module):
+    def __init__(self, head):
+        super().__init__()
+        self.head = head
+
+    def get_output_embeddings(self):
+        return self.head
+
+
+def test_auto_loss_choice():
+    """training.loss_chunk_tokens -1: chunked above 1 GiB of float32 logits per micro-batch, with the
+    chunk from the vocabulary; plain at or below it, for other heads and under tensor parallelism."""
+    def head(v):
+        return nn.Linear(1024, v, bias=False, device="meta")
+
+    chunk, why = choose_loss_chunk_tokens(_Model(head(32000)), 16 * 4096, False)  # the softpick paper's batch
+    assert chunk == 4096 and "chunked head+loss, 4096-token chunks" in why and "7.8 GiB" in why, why
+    assert choose_loss_chunk_tokens(_Model(head(128256)), 8192, False)[0] == 1024
+    at = chunked_loss.AUTO_CHUNK_ABOVE_BYTES // (4 * 2048)  # tokens whose logits are exactly the threshold
+    assert choose_loss_chunk_tokens(_Model(head(2048)), at, False)[0] == 0
+    assert choose_loss_chunk_tokens(_Model(head(2048)), at + 1, False)[0] > 0
+    chunk, why = choose_loss_chunk_tokens(_Model(head(32000)), 16 * 4096, True)
+    assert chunk == 0 and "tensor parallelism" in why
+    chunk, why = choose_loss_chunk_tokens(_Model(nn.Sequential(head(32000))), 16 * 4096, False)
+    assert chunk == 0 and "Sequential" in why
+
+
+def test_trainer_auto_chunked_matches_plain(tmp_path, monkeypatch):
+    """Auto mode with the threshold below this micro-batch's logits takes the chunked loss (chunks of
+    128 tokens of the 256): the plain loss's losses, and its gradients at every step."""
+    vocab = 8192  # the tiny transformer's
+    args = ["--training.steps", "3", *COMMON[2:]]
+    config = os.path.join(ROOT, "configs/debug/transformer_tiny.json")
+
+    def run(name, *extra):
+        grads = []
+
+        def record(trainer):
+            step = trainer.clip_and_step
+
+            def recorded():
+                grads.append({n: p.grad.clone() for n, p in trainer.model.named_parameters()})
+                return step()
+
+            trainer.clip_and_step = recorded
+
+        trainer = train_in_process(tiny_job(str(tmp_path / name), *args, *extra, config=config), record)
+        return trainer, losses(str(tmp_path / name)), grads
+
+    plain, la, ga = run("plain", "--training.loss_chunk_tokens", "0")
+    assert plain.chunked_head is None
+    monkeypatch.setattr(chunked_loss, "AUTO_CHUNK_ABOVE_BYTES", 4 * 64 * vocab * 4 - 1)
+    monkeypatch.setattr(chunked_loss, "AUTO_CHUNK_BYTES", 128 * vocab * 4)
+    auto, lb, gb = run("auto")
+    assert auto.chunked_head is not None and auto.chunked_head._flame_chunk_tokens == 128
+    assert len(la) == 3 and lb == pytest.approx(la, rel=1e-5, abs=1e-5), (la, lb)
+    for a, b in zip(ga, gb):
+        for name, want in a.items():
+            err = ((b[name] - want).norm() / want.norm()).item()  # float32 sums in another order
+            assert err < 1e-4, (name, err)

@@ -35,6 +35,14 @@ def reads_max_seqlen(backend: AttentionBackend, x: torch.Tensor) -> bool:
     return backend.impl != "fla" and x.is_cuda and os.environ.get("FLAME_VARLEN_SOFTMAX", "flex") == "varlen"
 
 
+def uses_flex_varlen(backend: AttentionBackend, x: torch.Tensor, window_size: int | None) -> bool:
+    """Whether `attention` with ``cu_seqlens`` on x's device runs FlexAttention with a document
+    mask (the caller may then build the mask once per forward with `varlen_block_mask`)."""
+    if backend.rows != "softmax" or backend.impl in ("naive", "fla", "triton") or window_size is not None:
+        return False
+    return x.is_cuda and not (os.environ.get("FLAME_VARLEN_SOFTMAX", "flex") == "varlen" and _varlen_attn() is not None)
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -48,8 +56,10 @@ def attention(
     key_padding_mask: torch.Tensor | None = None,
     window_size: int | None = None,
     need_weights: bool = False,
+    block_mask=None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Causal attention output [B, Tq, HQ, D] and (for the naive path only) the weights."""
+    """Causal attention output [B, Tq, HQ, D] and (for the naive path only) the weights.
+    ``block_mask``: the FlexAttention mask of ``cu_seqlens`` when the caller built it (`varlen_block_mask`)."""
     B, tq, hq, d = q.shape
     tk = k.shape[1]
     scale = d ** -0.5 if scale is None else scale
@@ -83,7 +93,7 @@ def attention(
         how = os.environ.get("FLAME_VARLEN_SOFTMAX", "flex")
         if how == "varlen" and _varlen_attn() is not None:
             return _torch_varlen(q, k, v, scale, cu_seqlens, max_seqlen), None
-        return _flex(q, k, v, scale, cu_seqlens), None
+        return _flex(q, k, v, scale, cu_seqlens, block_mask=block_mask), None
     if cu_seqlens is None:
         return _sdpa_causal(q, k, v, scale), None
     return _sdpa_masked(q, k, v, scale, cu_seqlens, None, None), None
@@ -192,8 +202,17 @@ def flex_mask_mod(L: int, cu_seqlens: torch.Tensor | None, left: int | None, dev
     return mask_mod
 
 
+# Run eagerly also when called from a compiled block: the cache lookup compares tensor identities
+# and versions, which dynamo would turn into graph breaks and guards that fail at every new batch.
+@torch.compiler.disable
 def _block_mask(L, cu_seqlens, left, device):
-    from torch.nn.attention.flex_attention import create_block_mask
+    global _FLEX
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if _FLEX is None:
+        # made here, eagerly, before any compiled block reads it: a compiled block that saw it
+        # unset would be compiled again at its next call
+        _FLEX = torch.compile(flex_attention, dynamic=False)
 
     key = (cu_seqlens, getattr(cu_seqlens, "_version", 0), L, left)
     for k, bm in _MASK_CACHE:
@@ -205,18 +224,22 @@ def _block_mask(L, cu_seqlens, left, device):
     return bm
 
 
-def _flex(q, k, v, scale, cu_seqlens, left: int | None = None):
-    """Causal FlexAttention on [B, T, H, D]; documents by ``cu_seqlens`` (over the flattened B*T
-    tokens), optional sliding window of ``left`` keys back."""
-    global _FLEX
-    from torch.nn.attention.flex_attention import flex_attention
+def varlen_block_mask(total_tokens: int, cu_seqlens: torch.Tensor, device):
+    """The causal document mask of ``cu_seqlens`` for FlexAttention. Models build it once per forward
+    outside their (compiled) blocks and pass it down: every block then gets the same mask as a plain
+    input, without tracing the mask construction."""
+    return _block_mask(total_tokens, cu_seqlens, None, device)
 
-    if _FLEX is None:
-        _FLEX = torch.compile(flex_attention, dynamic=False)
+
+def _flex(q, k, v, scale, cu_seqlens, left: int | None = None, block_mask=None):
+    """Causal FlexAttention on [B, T, H, D]; documents by ``cu_seqlens`` (over the flattened B*T
+    tokens), optional sliding window of ``left`` keys back; ``block_mask`` when built by the caller
+    (with `varlen_block_mask`, which also makes the compiled FlexAttention this calls)."""
     B, T, hq = q.shape[:3]
     if cu_seqlens is not None and B > 1:
         q, k, v = (x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v))
-    block_mask = _block_mask(q.shape[1], cu_seqlens, left, q.device)
+    if block_mask is None:
+        block_mask = _block_mask(q.shape[1], cu_seqlens, left, q.device)
     o = _FLEX(_heads_first(q), _heads_first(k), _heads_first(v), block_mask=block_mask, scale=scale,
               enable_gqa=q.shape[2] != k.shape[2])
     return o.transpose(1, 2).reshape(B, T, hq, -1)

@@ -89,6 +89,7 @@ class FlameAttention(nn.Module):
         past_key_values=None,
         use_cache: bool = False,
         output_attentions: bool = False,
+        block_mask=None,
     ):
         B, T, _ = hidden_states.shape
         q = self.q_proj(hidden_states).view(B, T, self.num_heads, self.head_dim)
@@ -108,6 +109,7 @@ class FlameAttention(nn.Module):
         o, weights = attention(
             q, k, v, self.backend, eps=self.softpick_eps, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
             key_padding_mask=attention_mask, window_size=self.window_size, need_weights=output_attentions,
+            block_mask=block_mask,
         )
         o = self.o_proj(o.reshape(B, T, -1))
         return o, weights, past_key_values

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
-from flame.models.cpu.patch import TORCH_PATH_DEVICES
+from flame.models.cpu.patch import TORCH_PATH_DEVICES, caller_autocast_dtype
 
 # ---------------------------------------------------------------- norms
 
@@ -58,12 +58,20 @@ def rms_norm_cpu(x, weight, bias, residual=None, eps=1e-5, prenorm=False, residu
 group_norm_cpu = layer_norm_cpu
 
 
+def _linear(x, weight, bias):
+    """The matmul of FLA's fused ops: in the caller's autocast dtype when it had autocast on, else in
+    x's dtype (FLA casts the weight to it; under the trainer's autocast x is often already bf16
+    while the master weight is float32)."""
+    dtype = caller_autocast_dtype() or x.dtype
+    return F.linear(x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
+
+
 def layer_norm_linear_cpu(x, norm_weight, norm_bias, linear_weight, linear_bias, residual=None, eps=1e-5,
                           prenorm=False, residual_in_fp32=False, is_rms_norm=False, num_groups=1, **kw):
     dtype = x.dtype
     x, residual_out = _residual_in(x, residual, residual_in_fp32)
     y = _norm(x, norm_weight, norm_bias, eps, is_rms_norm, num_groups).to(dtype)
-    out = F.linear(y, linear_weight.to(dtype), None if linear_bias is None else linear_bias.to(dtype))
+    out = _linear(y, linear_weight, linear_bias)
     return (out, residual_out) if prenorm else out
 
 
@@ -95,8 +103,7 @@ def _norm_gated_entry(is_rms_norm, with_linear):
         y = _norm(x, w, b, p.get('eps', 1e-6), is_rms_norm) * _gate(g, p.get('activation', 'swish'))
         y = y.to(dtype)
         if with_linear:
-            lb = p.get('linear_bias')
-            y = F.linear(y, p['linear_weight'].to(dtype), None if lb is None else lb.to(dtype))
+            y = _linear(y, p['linear_weight'], p.get('linear_bias'))
         return (y, residual_out) if p.get('prenorm', False) else y
     return fn
 
@@ -251,8 +258,8 @@ ACTIVATIONS_CPU = {
     'elu_p1': lambda x: (F.elu(x.float()) + 1.0).to(x.dtype),
     'swiglu': lambda x, y: (F.silu(x.float()) * y.float()).to(x.dtype),
     'sigmoidglu': lambda x, y: (torch.sigmoid(x.float()) * y.float()).to(x.dtype),
-    'swiglu_linear': lambda x, y, weight, bias: F.linear((F.silu(x.float()) * y.float()).to(x.dtype), weight, bias),
-    'sigmoidglu_linear': lambda x, y, weight, bias: F.linear(
+    'swiglu_linear': lambda x, y, weight, bias: _linear((F.silu(x.float()) * y.float()).to(x.dtype), weight, bias),
+    'sigmoidglu_linear': lambda x, y, weight, bias: _linear(
         (torch.sigmoid(x.float()) * y.float()).to(x.dtype), weight, bias),
 }
 
@@ -296,7 +303,7 @@ def fused_linear_cross_entropy_forward_cpu(self, x, target, weight, bias=None):
     if self.process_group is not None:
         raise NotImplementedError("flame CPU fallback: vocab-parallel cross entropy is not supported")
     x2 = x.reshape(-1, x.shape[-1])
-    logits = F.linear(x2, weight, bias)
+    logits = _linear(x2, weight, bias)
     t = target.reshape(-1)
     loss = _ce(logits, t, self.ignore_index, self.label_smoothing, self.logit_scale, self.logit_softcapping,
                0.0, self.reduction)

@@ -33,6 +33,15 @@ def is_cpu_call(args, kwargs) -> bool:
     return t is not None and t.device.type in TORCH_PATH_DEVICES
 
 
+_caller_autocast: list = []  # autocast dtype (or None) of the callers of the running CPU fallbacks
+
+
+def caller_autocast_dtype() -> torch.dtype | None:
+    """Inside a CPU fallback: the autocast dtype its caller ran under (None without autocast). FLA's
+    fused ops with a matmul (norm + linear, swiglu + linear) compute it in that dtype, as here."""
+    return _caller_autocast[-1] if _caller_autocast else None
+
+
 def make_dispatcher(original: Callable, cpu_impl: Callable, skip_self: bool = False) -> Callable:
     """Wrap ``original`` so CPU calls go to ``cpu_impl``; ``skip_self`` for methods (self is a Module)."""
     @functools.wraps(original)
@@ -41,8 +50,13 @@ def make_dispatcher(original: Callable, cpu_impl: Callable, skip_self: bool = Fa
         if is_cpu_call(probe, kwargs):
             # Triton kernels ignore autocast; so do their replacements (they manage dtypes themselves
             # and keep the recurrences in float32)
-            with torch.autocast('cpu', enabled=False):
-                return cpu_impl(*args, **kwargs)
+            outer = torch.get_autocast_dtype('cpu') if torch.is_autocast_enabled('cpu') else None
+            _caller_autocast.append(outer)
+            try:
+                with torch.autocast('cpu', enabled=False):
+                    return cpu_impl(*args, **kwargs)
+            finally:
+                _caller_autocast.pop()
         return original(*args, **kwargs)
 
     setattr(dispatcher, MARK, original)
@@ -89,10 +103,11 @@ def patch_function_everywhere(home_module: str, name: str, cpu_impl: Callable) -
     return _rebind_everywhere(lambda v: wrapper if v is original else v)
 
 
-def patch_functions_everywhere(patches) -> dict[str, int]:
-    """``patch_function_everywhere`` for many ``(home_module, name, cpu_impl)`` at once, in one pass
-    over the loaded ``fla.*`` modules (what makes it cheap enough for ``import flame``)."""
-    wrappers, names = {}, {}
+def patch_functions_everywhere(patches) -> dict:
+    """`patch_function_everywhere` for every ``(home_module, name, cpu_impl)`` in one pass over the
+    loaded modules (one pass per function took seconds at every trainer start). Returns
+    ``{home.name: bindings replaced}`` for the names that had any."""
+    table, names = {}, {}
     for home_module, name, cpu_impl in patches:
         home = sys.modules.get(home_module)
         if home is None:
@@ -100,16 +115,16 @@ def patch_functions_everywhere(patches) -> dict[str, int]:
             home = sys.modules[home_module]
         current = getattr(home, name)
         original = getattr(current, MARK, current)
-        wrappers[id(original)] = current if hasattr(current, MARK) else make_dispatcher(original, cpu_impl)
+        table[id(original)] = (original, current if hasattr(current, MARK) else make_dispatcher(original, cpu_impl))
         names[id(original)] = f'{home_module}.{name}'
-    counts: dict[str, int] = {}
+    counts: dict = {}
 
     def replace(v):
-        w = wrappers.get(id(v))
-        if w is None or w is v:
+        hit = table.get(id(v))
+        if hit is None or hit[0] is not v:
             return v
         counts[names[id(v)]] = counts.get(names[id(v)], 0) + 1
-        return w
+        return hit[1]
 
     _rebind_everywhere(replace)
     return counts

@@ -16,7 +16,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from transformers.modeling_utils import PreTrainedModel
 
 from flame.models.attention import FlameAttention, HeadRMSNorm, rotary_cos_sin
-from flame.models.attention.dispatch import reads_max_seqlen
+from flame.models.attention.dispatch import reads_max_seqlen, uses_flex_varlen, varlen_block_mask
 from flame.models.transformer.configuration import TransformerConfig
 from flame.ops.attention import positions_from_cu_seqlens
 
@@ -190,11 +190,15 @@ class TransformerModel(TransformerPreTrainedModel):
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
         past_len = past_key_values.get_seq_length() if past_key_values is not None else 0
+        block_mask = None
         if cu_seqlens is not None:
             if past_len:
                 raise ValueError("cu_seqlens cannot be combined with a non-empty KV cache")
             if max_seqlen is None and any(reads_max_seqlen(l.attn.backend, inputs_embeds) for l in self.layers):
                 max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max().item())
+            if any(uses_flex_varlen(l.attn.backend, inputs_embeds, l.attn.window_size) for l in self.layers):
+                # once per forward, outside the (compiled) blocks
+                block_mask = varlen_block_mask(B * T, cu_seqlens, inputs_embeds.device)
         positions = self._positions(B, T, inputs_embeds.device, position_ids, cu_seqlens, attention_mask, past_len)
         rotary = None
         if self.config.rope_theta is not None:
@@ -202,7 +206,7 @@ class TransformerModel(TransformerPreTrainedModel):
         attn_kwargs = dict(
             rotary=rotary, positions=positions, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
             attention_mask=attention_mask, past_key_values=past_key_values, use_cache=use_cache,
-            output_attentions=bool(output_attentions),
+            output_attentions=bool(output_attentions), block_mask=block_mask,
         )
         hidden_states = inputs_embeds
         all_hidden, all_attn = [], []
