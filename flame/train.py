@@ -86,6 +86,14 @@ def _init_like_one_process(model, model_config, seed: int, varlen: bool) -> None
     set_model_state_dict(model, full.state_dict(), options=opts)
 
 
+def _loss_memory_bytes(cfg, device: torch.device) -> int | None:
+    """GPU memory the automatic loss choice may count on: the offload budget, else the device's size."""
+    if device.type != "cuda":
+        return None
+    budget = cfg.offload.gpu_memory_gib if cfg.offload.enable != "off" else 0
+    return int(budget * 2**30) if budget else torch.cuda.get_device_properties(device).total_memory
+
+
 def sdpa_priority(device: torch.device):
     """Context that orders torch SDPA backends for dense attention: cuDNN first on CUDA (faster than
     the flash backend on Hopper; torchtitan does the same). ``FLAME_SDPA_BACKENDS`` overrides, e.g.
@@ -155,7 +163,8 @@ class Trainer(Stateful):
                                          if t.varlen else (t.seq_len, "training.seq_len")))
         self.loss_auto = t.loss_chunk_tokens == -1
         if self.loss_auto:  # chosen before the offload planner, which measures the loss it will run
-            t.loss_chunk_tokens, why = choose_loss_chunk_tokens(model, t.local_batch_size * t.seq_len, pd.tp_enabled)
+            t.loss_chunk_tokens, why = choose_loss_chunk_tokens(model, t.local_batch_size * t.seq_len, pd.tp_enabled,
+                                                                _loss_memory_bytes(cfg, self.device))
             logger.info(why)
         self.n_params = model_build.count_params(model)
         logger.info(

@@ -119,8 +119,11 @@ def _head_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 # training.loss_chunk_tokens = -1 (auto): the chunked loss when the float32 logits of one micro-batch
-# would exceed this many bytes (with the log-softmax eager cross-entropy keeps, about twice that)
+# would exceed this many bytes (with the log-softmax eager cross-entropy keeps, about twice that), or,
+# where the device's memory is known, this share of it: below that the compiled plain loss is faster
+# than the chunked one and fits
 AUTO_CHUNK_ABOVE_BYTES = 2**30
+AUTO_CHUNK_MEMORY_SHARE = 1 / 8
 # and chunks whose float32 logits take about this many bytes: 4096 tokens at a 32K vocabulary, 1024 at
 # 128K (the chunked loss is as fast as the plain one at these sizes)
 AUTO_CHUNK_BYTES = 2**29
@@ -133,9 +136,11 @@ def auto_chunk_tokens(vocab: int) -> int:
     return max(128, 1 << (n.bit_length() - 1))
 
 
-def choose_loss_chunk_tokens(model: nn.Module, tokens: int, tensor_parallel: bool) -> tuple[int, str]:
+def choose_loss_chunk_tokens(model: nn.Module, tokens: int, tensor_parallel: bool,
+                             memory_bytes: int | None = None) -> tuple[int, str]:
     """``training.loss_chunk_tokens = -1``: ``(chunk tokens or 0 for the plain loss, the log line)``
-    for a model whose micro-batches hold ``tokens`` tokens (checked before the model is materialized)."""
+    for a model whose micro-batches hold ``tokens`` tokens (checked before the model is materialized).
+    ``memory_bytes``: the device memory the run may use (GPU size or offload budget), when known."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if type(head) is not nn.Linear:
         return 0, f"loss: plain logits + cross-entropy (the output layer is {type(head).__name__}, not a plain nn.Linear)"
@@ -143,8 +148,11 @@ def choose_loss_chunk_tokens(model: nn.Module, tokens: int, tensor_parallel: boo
         return 0, "loss: plain logits + cross-entropy (the chunked loss needs a whole output layer; tensor parallelism is on)"
     vocab = head.out_features
     gib = tokens * vocab * 4 / 2**30
-    if tokens * vocab * 4 <= AUTO_CHUNK_ABOVE_BYTES:
-        return 0, f"loss: plain logits + cross-entropy (float32 logits of {gib:.2f} GiB per micro-batch)"
+    limit = AUTO_CHUNK_ABOVE_BYTES if not memory_bytes else max(AUTO_CHUNK_ABOVE_BYTES,
+                                                                 int(memory_bytes * AUTO_CHUNK_MEMORY_SHARE))
+    if tokens * vocab * 4 <= limit:
+        return 0, (f"loss: plain logits + cross-entropy (float32 logits of {gib:.2f} GiB per micro-batch, "
+                   f"at most {limit / 2**30:.1f} GiB)")
     chunk = auto_chunk_tokens(vocab)
     return chunk, (f"loss: chunked head+loss, {chunk}-token chunks (logits of {gib:.1f} GiB would not be "
                    "materialized; training.loss_chunk_tokens=0 for the plain loss)")

@@ -53,7 +53,7 @@ def build_plan(model, job_config, device, world: int = 1, threads_from_profile: 
 
         meta = model if hasattr(model, "get_output_embeddings") else build_meta_model(model.config)
         tp = int(_get(job_config, "parallelism.tensor_parallel_degree", 1) or 1) > 1
-        chunk, _ = choose_loss_chunk_tokens(meta, local * seq, tp)
+        chunk, _ = choose_loss_chunk_tokens(meta, local * seq, tp, int(off.gpu_memory_gib * 2**30) or None)
     costs_of = model_costs(model.config, cdt, candidates, seq, loss_chunk_tokens=chunk)
     path = off.profile or os.path.join(_get(job_config, "job.dump_folder", "."), "offload_profile.json")
     if os.path.isfile(path):

@@ -215,6 +215,11 @@ def test_auto_loss_choice():
     at = chunked_loss.AUTO_CHUNK_ABOVE_BYTES // (4 * 2048)  # tokens whose logits are exactly the threshold
     assert choose_loss_chunk_tokens(_Model(head(2048)), at, False)[0] == 0
     assert choose_loss_chunk_tokens(_Model(head(2048)), at + 1, False)[0] > 0
+    # on an 80 GiB GPU the paper's 7.8 GiB of logits stay plain (an eighth of the device is allowed);
+    # a 16 GiB budget chunks them
+    assert choose_loss_chunk_tokens(_Model(head(32000)), 16 * 4096, False, 80 * 2**30)[0] == 0
+    assert choose_loss_chunk_tokens(_Model(head(32000)), 16 * 4096, False, 16 * 2**30)[0] == 4096
+    assert choose_loss_chunk_tokens(_Model(head(2048)), at + 1, False, 2**30)[0] > 0  # never above 1 GiB
     chunk, why = choose_loss_chunk_tokens(_Model(head(32000)), 16 * 4096, True)
     assert chunk == 0 and "tensor parallelism" in why
     chunk, why = choose_loss_chunk_tokens(_Model(nn.Sequential(head(32000))), 16 * 4096, False)
