@@ -52,15 +52,18 @@ class DataOptions:
 
 
 def _split_list(value: str | None, what: str, n: int | None) -> list[str | None]:
-    """Split a comma list; empty entries mean "default". Length must be n when n is given."""
+    """Split a comma list; empty entries mean "default". A single entry applies to every source;
+    otherwise the length must be n when n is given."""
     if value is None or (isinstance(value, str) and value.strip() == ""):
         return [None] * (n or 0)
     items = value if isinstance(value, (list, tuple)) else str(value).split(",")
     items = [(s.strip() or None) if s is not None else None for s in items]
+    if n is not None and len(items) == 1:
+        return items * n
     if n is not None and len(items) != n:
         raise ConfigError(
             f"training.{what}: {value!r} has {len(items)} entries but training.dataset has {n}; "
-            "give one entry per dataset (empty entries allowed)"
+            "give one entry for all datasets or one per dataset (empty entries allowed)"
         )
     return items
 

@@ -67,7 +67,7 @@ def test_validation_loader_is_per_source_and_repeatable(tmp_path, tok):
 
 
 @pytest.mark.parametrize("kw,needle", [
-    (dict(dataset="x.jsonl,y.jsonl", dataset_split="train"), "dataset_split"),
+    (dict(dataset="x.jsonl,y.jsonl,z.jsonl", dataset_split="train,test"), "dataset_split"),
     (dict(dataset="a,b", data_probs=[1.0, -1.0]), "-1.0"),
     (dict(dataset="a,b", data_probs=[1.0]), "data_probs"),
     (dict(dataset="a", seq_len=1), "seq_len: 1"),
@@ -78,6 +78,17 @@ def test_validation_loader_is_per_source_and_repeatable(tmp_path, tok):
 def test_bad_options_name_the_value(kw, needle):
     with pytest.raises(ConfigError, match=needle):
         options_for_test(**kw)
+
+
+def test_one_entry_of_a_per_source_option_applies_to_every_source():
+    from flame.data.options import parse_sources
+
+    specs = parse_sources("a,b,c", dataset_name="cfg", dataset_split="train", data_dir="d", data_files="*.jsonl")
+    assert [(s.name, s.split, s.data_dir, s.data_files) for s in specs] == [("cfg", "train", "d", "*.jsonl")] * 3
+    specs = parse_sources("a,b", dataset_split="train,", data_dir=",x")
+    assert [(s.split, s.data_dir) for s in specs] == [("train", None), (None, "x")]
+    opts = options_for_test(dataset="a,b", dataset_split="train", data_probs=[0.6, 0.4])
+    assert opts.probs == pytest.approx((0.6, 0.4))
 
 
 def test_bad_sources_name_the_value(tmp_path, tok):
