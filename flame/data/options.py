@@ -9,6 +9,7 @@ from typing import Any, Sequence
 from flame.errors import ConfigError
 
 BOUNDARY_POLICIES = ("auto", "bos", "eos", "bos_eos", "none")
+BAD_DOCUMENT_POLICIES = ("skip", "replace", "error")
 MIX_BY = ("documents", "tokens")
 
 
@@ -38,6 +39,7 @@ class DataOptions:
     mix_by: str = "documents"
     boundary_policy: str = "auto"
     mask_cross_document_labels: bool = False
+    bad_document_policy: str = "skip"
     seed: int = 0
     num_workers: int = 0
     prefetch_factor: int | None = None
@@ -127,6 +129,8 @@ def validate(o: DataOptions) -> None:
             )
     if o.boundary_policy not in BOUNDARY_POLICIES:
         raise ConfigError(f"training.boundary_policy: {o.boundary_policy!r} is not one of {BOUNDARY_POLICIES}")
+    if o.bad_document_policy not in BAD_DOCUMENT_POLICIES:
+        raise ConfigError(f"training.bad_document_policy: {o.bad_document_policy!r} is not one of {BAD_DOCUMENT_POLICIES}")
     if o.mix_by not in MIX_BY:
         raise ConfigError(f"training.mix_by: {o.mix_by!r} is not one of {MIX_BY}")
     if o.num_workers < 0:
@@ -157,6 +161,7 @@ def options_from_job_config(job_config: Any, split: str = "train") -> DataOption
         mix_by=_get(t, "mix_by", "documents") or "documents",
         boundary_policy=_get(t, "boundary_policy", "auto") or "auto",
         mask_cross_document_labels=bool(_get(t, "mask_cross_document_labels", False)),
+        bad_document_policy=_get(t, "bad_document_policy", "skip") or "skip",
         seed=int(seed or 0),
         num_workers=int(_get(t, "num_workers", 0) or 0),
         prefetch_factor=_get(t, "prefetch_factor"),

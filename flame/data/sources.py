@@ -14,6 +14,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
+from flame.data.documents import BadRows, RowLocator, tokenize_texts
 from flame.data.options import SourceSpec
 from flame.data.shards import ShardReader, is_token_folder
 from flame.errors import ConfigError
@@ -54,23 +55,55 @@ def _load_error(spec: SourceSpec, e: Exception) -> ConfigError:
     return ConfigError(f"training.dataset: {spec.path!r} could not be loaded: {msg}")
 
 
-def open_hf(spec: SourceSpec, split: str, streaming: bool, role: str) -> Any:
-    """Open one entry with ``datasets`` (map-style Dataset or IterableDataset)."""
+def source_files(spec: SourceSpec) -> tuple[str | None, list[str]]:
+    """(builder, files) when the entry names local files (``data_files`` or a file/glob), else (None, [])."""
+    path = spec.path
+    if spec.data_files:
+        files = [f for p in spec.data_files.split(";") for f in _expand(p.strip(), "training.data_files")]
+        return (path if path in _BUILDER_NAMES else _builder_for(files, "training.data_files")), files
+    if os.path.isfile(path) or any(c in path for c in "*?["):
+        files = _expand(path, "training.dataset")
+        return _builder_for(files, "training.dataset"), files
+    return None, []
+
+
+def _check_text_files(name: str, files: list[str], policy: str) -> list[str]:
+    """The .txt files to read: datasets decodes them while loading (no row to skip later), so
+    bad ones are found here, one file (one document) at a time."""
+    keep = []
+    for f in files:
+        with open(f, "rb") as fh:
+            raw = fh.read()
+        text, _bad = BadRows(RowLocator(name, "text", [f], None), policy).decode(raw, 0)
+        if text is not None:
+            keep.append(f)
+    if not keep:
+        raise ConfigError(f"training.dataset: every file of {files[:3]} is skipped as not valid UTF-8")
+    return keep
+
+
+def open_hf(spec: SourceSpec, split: str, streaming: bool, role: str, bad_document_policy: str = "skip",
+            files: tuple[str | None, list[str]] | None = None) -> Any:
+    """Open one entry with ``datasets`` (map-style Dataset or IterableDataset); ``files``: the
+    entry's (builder, files) when the caller resolved them already."""
     import datasets
 
     kwargs: dict[str, Any] = {}
     path = spec.path
-    if spec.data_files:
-        files = [f for p in spec.data_files.split(";") for f in _expand(p.strip(), "training.data_files")]
-        builder = path if path in _BUILDER_NAMES else _builder_for(files, "training.data_files")
+    if files is None:
+        builder, files = source_files(spec)
+        if builder == "text":
+            files = _check_text_files(spec.path, files, bad_document_policy)
+    else:
+        builder, files = files
+    if builder is not None:
         path, kwargs["data_files"], split = builder, files, "train"
-    elif os.path.isfile(path) or any(c in path for c in "*?["):
-        files = _expand(path, "training.dataset")
-        path, kwargs["data_files"], split = _builder_for(files, "training.dataset"), files, "train"
     elif path.startswith((".", "/", "~")) and not os.path.exists(path):
         raise ConfigError(f"training.dataset: {path!r} does not exist")
     if path == "text":
         kwargs["sample_by"] = "document"  # one document per .txt file
+        if "data_files" in kwargs and bad_document_policy == "replace":
+            kwargs["encoding_errors"] = "replace"
     if os.path.isdir(path) and (os.path.isfile(os.path.join(path, "dataset_dict.json"))
                                 or os.path.isfile(os.path.join(path, "state.json"))):
         ds = datasets.load_from_disk(path)
@@ -154,36 +187,127 @@ class Tokenize:
         return [np.asarray(x, dtype=np.int64) for x in ids]
 
 
+FETCH_BYTES = 1 << 20  # raw bytes (text) or 4 x tokens read ahead at most, beyond the first document
+
+
+def _is_text(t: Any) -> bool:
+    import pyarrow as pa
+
+    return pa.types.is_string(t) or pa.types.is_large_string(t)
+
+
+class _ArrowColumn:
+    """Rows of one column of a (memory-mapped) Arrow table: sizes from the offsets, raw bytes per row,
+    without converting whole batches to Python (which fails on invalid UTF-8 and copies every row)."""
+
+    def __init__(self, column: Any):
+        import pyarrow as pa
+
+        self.chunks = [c for c in column.chunks if len(c)]
+        self.starts = np.cumsum([0] + [len(c) for c in self.chunks])
+        t = column.type
+        self.sized = (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t)
+                      or pa.types.is_large_binary(t) or pa.types.is_list(t) or pa.types.is_large_list(t))
+        self.wide = pa.types.is_large_string(t) or pa.types.is_large_binary(t) or pa.types.is_large_list(t)
+        self._offsets: dict[int, np.ndarray] = {}
+
+    def _locate(self, i: int) -> tuple[int, int]:
+        c = int(np.searchsorted(self.starts, i, side="right") - 1)
+        return c, i - int(self.starts[c])
+
+    def size(self, i: int) -> int:
+        """Bytes (text) or items (lists) of row i; 0 when unknown."""
+        if not self.sized:
+            return 0
+        c, j = self._locate(i)
+        if c not in self._offsets:
+            chunk = self.chunks[c]
+            dtype = np.int64 if self.wide else np.int32
+            self._offsets[c] = np.frombuffer(chunk.buffers()[1], dtype=dtype)[chunk.offset:chunk.offset + len(chunk) + 1]
+        off = self._offsets[c]
+        return int(off[j + 1] - off[j])
+
+    def raw(self, i: int) -> bytes | None:
+        c, j = self._locate(i)
+        buf = self.chunks[c][j].as_buffer()
+        return None if buf is None else buf.to_pybytes()
+
+
 class MapSource:
     """A map-style ``datasets.Dataset`` (text or ``input_ids``) or a token folder."""
 
     streaming = False
 
     def __init__(self, name: str, dataset: Any = None, column: str | None = None, token_ids: bool = False,
-                 reader: ShardReader | None = None, tokenize: Tokenize | None = None):
+                 reader: ShardReader | None = None, tokenize: Tokenize | None = None,
+                 bad_rows: BadRows | None = None):
         self.name = name
         self.reader = reader
         self.column = column
         self.token_ids = token_ids
         self.tokenize = tokenize
+        self.bad_rows = bad_rows
         self.dataset = dataset.select_columns([column]) if dataset is not None else None
+        if self.dataset is not None and getattr(self.dataset, "_indices", None) is not None:
+            self.dataset = self.dataset.flatten_indices()  # rows read straight from the Arrow table below
         self.num_docs = reader.num_docs if reader is not None else len(self.dataset)
         if self.num_docs == 0:
             raise ConfigError(f"training.dataset: {name!r} is empty (0 documents)")
+        self._arrow: _ArrowColumn | None = None
+        self._text = False
+        if self.dataset is not None:
+            col = self.dataset.data.table.column(column)
+            self._text = not token_ids and _is_text(col.type)
+            self._arrow = _ArrowColumn(col)
 
-    def fetch(self, indices: np.ndarray) -> list[np.ndarray]:
+    def __getstate__(self) -> dict:
+        d = dict(self.__dict__)
+        d["_arrow"] = None  # rebuilt in each DataLoader worker (holds Arrow buffers)
+        return d
+
+    def _column(self) -> _ArrowColumn:
+        if self._arrow is None:
+            self._arrow = _ArrowColumn(self.dataset.data.table.column(self.column))
+        return self._arrow
+
+    def fetch_count(self, indices: np.ndarray) -> int:
+        """How many of ``indices`` to read now: up to FETCH_BYTES beyond the first (at least one)."""
+        total = 0
+        for k, i in enumerate(np.asarray(indices).tolist()):
+            if self.reader is not None:
+                size = int(self.reader.doc_length(int(i))) * 4
+            else:
+                size = self._column().size(int(i)) * (1 if self._text else 4)
+            total += size
+            if k > 0 and total > FETCH_BYTES:
+                return k
+        return len(indices)
+
+    def fetch(self, indices: np.ndarray) -> list[tuple[Any, bool]]:
+        """Per index: (token ids, a :class:`LongText`, or None for a skipped row; whether it was bad)."""
         if self.reader is not None:
-            return [self.reader.doc(int(i)) for i in indices]
+            return [(self.reader.doc(int(i)), False) for i in indices]
+        if self._text:
+            texts, bad = [], []
+            for i in np.asarray(indices).tolist():
+                text, b = self.bad_rows.decode(self._column().raw(int(i)), int(i))
+                texts.append(text)
+                bad.append(b)
+            keep = [k for k, t in enumerate(texts) if t is not None]
+            docs: list[Any] = [None] * len(texts)
+            for k, d in zip(keep, tokenize_texts([texts[k] for k in keep], self.tokenize)):
+                docs[k] = d
+            return list(zip(docs, bad))
         # Read in sorted order (Arrow is faster on ascending indices), then restore the request order.
         order = np.argsort(indices, kind="stable")
         rows = self.dataset[[int(i) for i in np.asarray(indices)[order]]][self.column]
         if self.token_ids:
             docs = [np.asarray(r, dtype=np.int64) for r in rows]
         else:
-            docs = self.tokenize([r if r is not None else "" for r in rows])
-        out: list[np.ndarray] = [None] * len(docs)  # type: ignore[list-item]
+            docs = tokenize_texts([str(r) if r is not None else "" for r in rows], self.tokenize)
+        out: list[Any] = [None] * len(docs)
         for pos, d in zip(order, docs):
-            out[pos] = d
+            out[pos] = (d, False)
         return out
 
 
@@ -193,28 +317,51 @@ class StreamSource:
     streaming = True
     num_docs = None
 
-    def __init__(self, name: str, dataset: Any, column: str, token_ids: bool, tokenize: Tokenize | None):
+    def __init__(self, name: str, dataset: Any, column: str, token_ids: bool, tokenize: Tokenize | None,
+                 bad_rows: BadRows | None = None):
         self.name = name
         self.dataset = dataset.select_columns([column])
         self.column = column
         self.token_ids = token_ids
         self.tokenize = tokenize
+        self.bad_rows = bad_rows
 
     def raw(self) -> Iterator[Any]:
-        """The source's items in their stored order (one epoch)."""
-        # ``iter`` (not ``__iter__``): inside a DataLoader worker, ``__iter__`` would hand this worker
-        # only some of the files, while flame assigns documents to consumers itself.
-        for batch in self.dataset.iter(batch_size=256):
-            yield from batch[self.column]
+        """The source's items in their stored order (one epoch); text as raw UTF-8 bytes."""
+        import pyarrow as pa
 
-    def convert(self, items: list[Any]) -> list[np.ndarray]:
+        # ``iter`` (not ``__iter__``): inside a DataLoader worker, ``__iter__`` would hand this worker
+        # only some of the files, while flame assigns documents to consumers itself. Arrow batches:
+        # converting them to Python would fail on the first invalid UTF-8 byte.
+        for batch in self.dataset.with_format("arrow").iter(batch_size=256):
+            col = batch.column(self.column)
+            if _is_text(col.type):
+                col = col.cast(pa.large_binary())
+            yield from col.to_pylist()
+
+    def size(self, item: Any) -> int:
+        return len(item) * (4 if self.token_ids else 1) if item is not None else 0
+
+    def convert(self, items: list[Any], rows: list[int]) -> list[tuple[Any, bool]]:
         if self.token_ids:
-            return [np.asarray(x, dtype=np.int64) for x in items]
-        return self.tokenize([x if x is not None else "" for x in items])
+            return [(np.asarray(x if x is not None else [], dtype=np.int64), False) for x in items]
+        texts, bad = [], []
+        for x, row in zip(items, rows):
+            if isinstance(x, (bytes, type(None))):
+                text, b = self.bad_rows.decode(x, row)
+            else:
+                text, b = str(x), False
+            texts.append(text)
+            bad.append(b)
+        keep = [k for k, t in enumerate(texts) if t is not None]
+        docs: list[Any] = [None] * len(texts)
+        for k, d in zip(keep, tokenize_texts([texts[k] for k in keep], self.tokenize)):
+            docs[k] = d
+        return list(zip(docs, bad))
 
 
 def open_source(spec: SourceSpec, tokenizer: Any, text_column: str | None, streaming: bool,
-                role: str = "train") -> MapSource | StreamSource:
+                role: str = "train", bad_document_policy: str = "skip") -> MapSource | StreamSource:
     split = spec.split or ("validation" if role == "validation" else "train")
     tokenize = Tokenize(tokenizer)
     if os.path.isdir(spec.path) and is_token_folder(spec.path):
@@ -227,7 +374,12 @@ def open_source(spec: SourceSpec, tokenizer: Any, text_column: str | None, strea
                 f"larger than this tokenizer's {len(tokenizer)}"
             )
         return MapSource(spec.path, reader=reader)
-    ds = open_hf(spec, split, streaming, role)
+    builder, files = source_files(spec)
+    if builder == "text":
+        files = _check_text_files(spec.path, files, bad_document_policy)
+    ds = open_hf(spec, split, streaming, role, bad_document_policy, files=(builder, files))
+    num_rows = None if streaming else len(ds)
+    bad_rows = BadRows(RowLocator(spec.path, builder, files, num_rows), bad_document_policy)
     if streaming:
         columns = list(ds.column_names or [])
         if not columns:
@@ -236,6 +388,6 @@ def open_source(spec: SourceSpec, tokenizer: Any, text_column: str | None, strea
                 raise ConfigError(f"training.dataset: {spec.path!r} is empty (0 documents)")
             columns = list(first.keys())
         column, ids = pick_column(columns, text_column, repr(spec.path))
-        return StreamSource(spec.path, ds, column, ids, tokenize)
+        return StreamSource(spec.path, ds, column, ids, tokenize, bad_rows)
     column, ids = pick_column(ds.column_names, text_column, repr(spec.path))
-    return MapSource(spec.path, dataset=ds, column=column, token_ids=ids, tokenize=tokenize)
+    return MapSource(spec.path, dataset=ds, column=column, token_ids=ids, tokenize=tokenize, bad_rows=bad_rows)
