@@ -190,6 +190,17 @@ class Validation:
     interval: int | None = None
     """Validate every this many steps (alias of ``validation.freq``)."""
 
+    local_batch_size: int | None = None
+    """Sequences per device per validation batch; default: the training batch size."""
+
+    seq_len: int | None = None
+    """Validation sequence length; default: ``training.seq_len``."""
+
+    holdout_fraction: float = 0.005
+    """Without ``validation.dataset``, a training source with no validation split gives this share
+    of its documents (at least one, chosen by a hash of their row) to validation, and training
+    skips them. 0: such a source is an error (validation never reads training data)."""
+
 
 @dataclass
 class Probes:

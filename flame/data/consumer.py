@@ -209,12 +209,18 @@ class Consumer:
         self.doc_pos = max(int(start_offset), int(extra_offset))
 
     def _next_doc(self) -> None:
+        skipping: dict[int, int] = {}  # source -> epoch of its first skipped row in this call
         while True:
             s = self._pick_source()
             body, bad, offset, ident = self.shares[s].next()
             self.bad[s] += int(bad)
             if body is None:
-                continue  # a skipped bad row: the draw and the share position are spent, like any document
+                # A skipped row (bad, or held out for validation): the draw and the share position are
+                # spent, like any document's. Two epochs of nothing but skips would never end.
+                if ident[1] >= skipping.setdefault(s, ident[1]) + 2:
+                    raise ConfigError(f"training.dataset: every document of {self.sources[s].name!r} is skipped "
+                                      "(not valid UTF-8, or held out for validation)")
+                continue
             self._load_doc(s, body, offset, ident)
             if self.doc.at(self.doc_pos):
                 return

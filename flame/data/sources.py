@@ -15,6 +15,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from flame.data.documents import BadRows, RowLocator, tokenize_texts
+from flame.data.holdout import held_out, held_out_rows
 from flame.data.options import SourceSpec
 from flame.data.shards import ShardReader, is_token_folder
 from flame.errors import ConfigError
@@ -23,6 +24,7 @@ _BUILDERS = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".txt": "
              ".csv": "csv"}
 _BUILDER_NAMES = set(_BUILDERS.values())
 TEXT_COLUMNS = ("text", "content")
+VALIDATION_SPLITS = ("validation", "valid", "val", "test")
 
 
 def _builder_for(files: Sequence[str], what: str) -> str:
@@ -153,10 +155,32 @@ def _pick_split(available: list[str], wanted: str, role: str, spec: SourceSpec) 
     if wanted in available:
         return wanted
     if role == "validation" and not spec.split:
-        for alt in ("validation", "valid", "val", "test"):
+        for alt in VALIDATION_SPLITS:
             if alt in available:
                 return alt
     raise ConfigError(f"training.dataset_split: {wanted!r} is not a split of {spec.path!r} (it has {available})")
+
+
+def has_validation_split(spec: SourceSpec) -> bool:
+    """Whether the entry offers a validation split (local files and token folders never do)."""
+    import json
+
+    builder, _files = source_files(spec)
+    if builder is not None or (os.path.isdir(spec.path) and is_token_folder(spec.path)):
+        return False
+    dd = os.path.join(spec.path, "dataset_dict.json")
+    if os.path.isdir(spec.path) and (os.path.isfile(dd) or os.path.isfile(os.path.join(spec.path, "state.json"))):
+        splits = json.load(open(dd)).get("splits", []) if os.path.isfile(dd) else []
+        return any(s in splits for s in VALIDATION_SPLITS)
+    import datasets
+
+    hub = not os.path.exists(spec.path)
+    try:
+        with _hub_offline() if hub else contextlib.nullcontext():
+            names = datasets.get_dataset_split_names(spec.path, spec.name, data_dir=spec.data_dir)
+    except Exception:  # not readable here: open_hf reports it with the source's name
+        return False
+    return any(s in names for s in VALIDATION_SPLITS)
 
 
 def pick_column(columns: Sequence[str], text_column: str | None, where: str) -> tuple[str, bool]:
@@ -240,7 +264,9 @@ class MapSource:
 
     def __init__(self, name: str, dataset: Any = None, column: str | None = None, token_ids: bool = False,
                  reader: ShardReader | None = None, tokenize: Tokenize | None = None,
-                 bad_rows: BadRows | None = None):
+                 bad_rows: BadRows | None = None, rows: np.ndarray | None = None, exclude: float = 0.0):
+        """``rows``: read only these rows of the dataset/folder (held-out validation documents);
+        ``exclude``: skip the rows held out at this fraction (training beside such a validation)."""
         self.name = name
         self.reader = reader
         self.column = column
@@ -248,11 +274,23 @@ class MapSource:
         self.tokenize = tokenize
         self.bad_rows = bad_rows
         self.dataset = dataset.select_columns([column]) if dataset is not None else None
+        self.rows = None
+        if rows is not None and self.dataset is not None:
+            self.dataset = self.dataset.select(rows)
+        elif rows is not None:
+            self.rows = np.asarray(rows, dtype=np.int64)
+        self.exclude = exclude
+        self.excluded = held_out_rows(reader.num_docs if reader is not None else len(dataset), exclude) if exclude else None
         if self.dataset is not None and getattr(self.dataset, "_indices", None) is not None:
             self.dataset = self.dataset.flatten_indices()  # rows read straight from the Arrow table below
-        self.num_docs = reader.num_docs if reader is not None else len(self.dataset)
+        self.num_docs = (len(self.rows) if self.rows is not None else reader.num_docs) if reader is not None \
+            else len(self.dataset)
         if self.num_docs == 0:
             raise ConfigError(f"training.dataset: {name!r} is empty (0 documents)")
+        if self.excluded is not None and len(self.excluded) >= self.num_docs:
+            raise ConfigError(
+                f"training.dataset: {name!r} has {self.num_docs} document(s), all held out for validation "
+                "(validation.holdout_fraction); give validation.dataset or more documents")
         self._arrow: _ArrowColumn | None = None
         self._text = False
         if self.dataset is not None:
@@ -275,7 +313,7 @@ class MapSource:
         total = 0
         for k, i in enumerate(np.asarray(indices).tolist()):
             if self.reader is not None:
-                size = int(self.reader.doc_length(int(i))) * 4
+                size = int(self.reader.doc_length(self._row(i))) * 4
             else:
                 size = self._column().size(int(i)) * (1 if self._text else 4)
             total += size
@@ -283,10 +321,21 @@ class MapSource:
                 return k
         return len(indices)
 
+    def _row(self, i: int) -> int:
+        return int(self.rows[int(i)]) if self.rows is not None else int(i)
+
     def fetch(self, indices: np.ndarray) -> list[tuple[Any, bool]]:
         """Per index: (token ids, a :class:`LongText`, or None for a skipped row; whether it was bad)."""
+        if self.excluded is not None:
+            # Held-out rows are never read (nor counted as bad): validation reads them.
+            keep = ~np.isin(np.asarray(indices, dtype=np.int64), self.excluded)
+            got = iter(self._read(np.asarray(indices)[keep]) if keep.any() else [])
+            return [next(got) if k else (None, False) for k in keep.tolist()]
+        return self._read(indices)
+
+    def _read(self, indices: np.ndarray) -> list[tuple[Any, bool]]:
         if self.reader is not None:
-            return [(self.reader.doc(int(i)), False) for i in indices]
+            return [(self.reader.doc(self._row(i)), False) for i in indices]
         if self._text:
             texts, bad = [], []
             for i in np.asarray(indices).tolist():
@@ -318,8 +367,9 @@ class StreamSource:
     num_docs = None
 
     def __init__(self, name: str, dataset: Any, column: str, token_ids: bool, tokenize: Tokenize | None,
-                 bad_rows: BadRows | None = None):
+                 bad_rows: BadRows | None = None, exclude: float = 0.0):
         self.name = name
+        self.exclude = exclude  # skip the rows held out for validation at this fraction
         self.dataset = dataset.select_columns([column])
         self.column = column
         self.token_ids = token_ids
@@ -343,6 +393,14 @@ class StreamSource:
         return len(item) * (4 if self.token_ids else 1) if item is not None else 0
 
     def convert(self, items: list[Any], rows: list[int]) -> list[tuple[Any, bool]]:
+        if self.exclude:
+            held = held_out(np.asarray(rows, dtype=np.int64), self.exclude).tolist()
+            keep = [k for k, h in enumerate(held) if not h]
+            got = iter(self._convert([items[k] for k in keep], [rows[k] for k in keep]))
+            return [(None, False) if h else next(got) for h in held]
+        return self._convert(items, rows)
+
+    def _convert(self, items: list[Any], rows: list[int]) -> list[tuple[Any, bool]]:
         if self.token_ids:
             return [(np.asarray(x if x is not None else [], dtype=np.int64), False) for x in items]
         texts, bad = [], []
@@ -361,7 +419,22 @@ class StreamSource:
 
 
 def open_source(spec: SourceSpec, tokenizer: Any, text_column: str | None, streaming: bool,
-                role: str = "train", bad_document_policy: str = "skip") -> MapSource | StreamSource:
+                role: str = "train", bad_document_policy: str = "skip", holdout_fraction: float = 0.0,
+                validation_from_training: bool = False) -> MapSource | StreamSource:
+    """``holdout_fraction`` > 0: without a validation split, training skips (and validation reads)
+    the held-out documents (see :mod:`flame.data.holdout`)."""
+    holdout = False
+    if role == "validation" and validation_from_training:
+        if has_validation_split(spec):
+            spec = SourceSpec(spec.path, spec.name, None, spec.data_dir, spec.data_files)
+        elif holdout_fraction > 0:
+            holdout, role = True, "train"
+        else:
+            raise ConfigError(
+                f"validation.holdout_fraction: 0 and training source {spec.path!r} has no validation split; "
+                "set validation.dataset or a holdout fraction > 0 (validation never reads training data)")
+    exclude = holdout_fraction if role == "train" and not holdout and holdout_fraction > 0 \
+        and not has_validation_split(spec) else 0.0
     split = spec.split or ("validation" if role == "validation" else "train")
     tokenize = Tokenize(tokenizer)
     if os.path.isdir(spec.path) and is_token_folder(spec.path):
@@ -373,7 +446,11 @@ def open_source(spec: SourceSpec, tokenizer: Any, text_column: str | None, strea
                 f"training.dataset: {spec.path!r} was tokenized with a vocabulary of {vocab} tokens, "
                 f"larger than this tokenizer's {len(tokenizer)}"
             )
-        return MapSource(spec.path, reader=reader)
+        if holdout:
+            rows = held_out_rows(reader.num_docs, holdout_fraction)
+            _log_holdout(spec.path, len(rows), reader.num_docs, holdout_fraction)
+            return MapSource(spec.path, reader=reader, rows=rows)
+        return MapSource(spec.path, reader=reader, exclude=exclude)
     builder, files = source_files(spec)
     if builder == "text":
         files = _check_text_files(spec.path, files, bad_document_policy)
@@ -388,6 +465,18 @@ def open_source(spec: SourceSpec, tokenizer: Any, text_column: str | None, strea
                 raise ConfigError(f"training.dataset: {spec.path!r} is empty (0 documents)")
             columns = list(first.keys())
         column, ids = pick_column(columns, text_column, repr(spec.path))
-        return StreamSource(spec.path, ds, column, ids, tokenize, bad_rows)
+        return StreamSource(spec.path, ds, column, ids, tokenize, bad_rows, exclude=exclude)
     column, ids = pick_column(ds.column_names, text_column, repr(spec.path))
-    return MapSource(spec.path, dataset=ds, column=column, token_ids=ids, tokenize=tokenize, bad_rows=bad_rows)
+    rows = None
+    if holdout:
+        rows = held_out_rows(len(ds), holdout_fraction)
+        _log_holdout(spec.path, len(rows), len(ds), holdout_fraction)
+    return MapSource(spec.path, dataset=ds, column=column, token_ids=ids, tokenize=tokenize, bad_rows=bad_rows,
+                     rows=rows, exclude=exclude)
+
+
+def _log_holdout(name: str, k: int, n: int, fraction: float) -> None:
+    from torchtitan.tools.logging import logger
+
+    logger.info(f"validation: {name!r} has no validation split; validating on {k} of its {n} documents, held out "
+                f"by a hash of their row (validation.holdout_fraction={fraction}) and excluded from training")
