@@ -117,5 +117,6 @@ class FlameDataLoader(ParallelAwareDataloader):
         line = "dataloader tokens per source: " + ", ".join(f"{k}={v:,}" for k, v in counts.items())
         bad = {k: v for k, v in summary["bad_documents"].items() if v}
         if bad:
-            line += f"; bad rows ({self.packed.opts.bad_document_policy}): " + ", ".join(f"{k}={v:,}" for k, v in bad.items())
+            policy = self.packed.opts.bad_document_policy
+            line += f"; bad rows ({policy}): " + ", ".join(f"{k}={v:,}" for k, v in bad.items())
         logger.info(line)

@@ -135,7 +135,8 @@ def validate(o: DataOptions) -> None:
     if o.boundary_policy not in BOUNDARY_POLICIES:
         raise ConfigError(f"training.boundary_policy: {o.boundary_policy!r} is not one of {BOUNDARY_POLICIES}")
     if o.bad_document_policy not in BAD_DOCUMENT_POLICIES:
-        raise ConfigError(f"training.bad_document_policy: {o.bad_document_policy!r} is not one of {BAD_DOCUMENT_POLICIES}")
+        raise ConfigError(
+            f"training.bad_document_policy: {o.bad_document_policy!r} is not one of {BAD_DOCUMENT_POLICIES}")
     if not (0.0 <= o.holdout_fraction < 1.0):
         raise ConfigError(f"validation.holdout_fraction: {o.holdout_fraction} must be in [0, 1)")
     if o.mix_by not in MIX_BY:

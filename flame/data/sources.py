@@ -247,7 +247,8 @@ class _ArrowColumn:
         if c not in self._offsets:
             chunk = self.chunks[c]
             dtype = np.int64 if self.wide else np.int32
-            self._offsets[c] = np.frombuffer(chunk.buffers()[1], dtype=dtype)[chunk.offset:chunk.offset + len(chunk) + 1]
+            offsets = np.frombuffer(chunk.buffers()[1], dtype=dtype)
+            self._offsets[c] = offsets[chunk.offset:chunk.offset + len(chunk) + 1]
         off = self._offsets[c]
         return int(off[j + 1] - off[j])
 
@@ -280,7 +281,8 @@ class MapSource:
         elif rows is not None:
             self.rows = np.asarray(rows, dtype=np.int64)
         self.exclude = exclude
-        self.excluded = held_out_rows(reader.num_docs if reader is not None else len(dataset), exclude) if exclude else None
+        total = reader.num_docs if reader is not None else len(dataset)
+        self.excluded = held_out_rows(total, exclude) if exclude else None
         if self.dataset is not None and getattr(self.dataset, "_indices", None) is not None:
             self.dataset = self.dataset.flatten_indices()  # rows read straight from the Arrow table below
         self.num_docs = (len(self.rows) if self.rows is not None else reader.num_docs) if reader is not None \
