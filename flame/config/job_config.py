@@ -93,16 +93,16 @@ class Training:
     preprocessed token folder."""
 
     dataset_name: str | None = None
-    """Comma-separated config names, one per source (empty entries allowed)."""
+    """Comma-separated config names, one per source or one for all (empty entries allowed)."""
 
     dataset_split: str | None = None
-    """Comma-separated splits, one per source (default ``train``)."""
+    """Comma-separated splits, one per source or one for all (default ``train``)."""
 
     data_dir: str | None = None
-    """Comma-separated ``data_dir`` arguments, one per source."""
+    """Comma-separated ``data_dir`` arguments, one per source or one for all."""
 
     data_files: str | None = None
-    """Comma-separated file globs, one per source (parquet, json/jsonl, txt, arrow)."""
+    """Comma-separated file globs, one per source or one for all (parquet, json/jsonl, txt, arrow)."""
 
     data_probs: list[float] | None = None
     """Sampling probabilities of the sources, comma-separated (normalized; must be positive)."""
@@ -127,6 +127,11 @@ class Training:
 
     mask_cross_document_labels: bool = False
     """Ignore (label -100) the prediction that crosses from one document into the next."""
+
+    bad_document_policy: Literal["skip", "replace", "error"] = "skip"
+    """A text row that is not valid UTF-8: ``skip`` it, ``replace`` the bad bytes with U+FFFD, or
+    ``error`` (stop with one line naming the file and row). Skipped/replaced rows are counted per
+    source in the loader's log line; the first one of each source is logged with its file and row."""
 
     num_workers: int = 0
     """DataLoader worker processes that tokenize and pack."""
@@ -201,6 +206,17 @@ class ActivationCheckpoint:
 class Validation:
     interval: int | None = None
     """Validate every this many steps (alias of ``validation.freq``)."""
+
+    local_batch_size: int | None = None
+    """Sequences per device per validation batch; default: the training batch size."""
+
+    seq_len: int | None = None
+    """Validation sequence length; default: ``training.seq_len``."""
+
+    holdout_fraction: float = 0.005
+    """Without ``validation.dataset``, a training source with no validation split gives this share
+    of its documents (at least one, chosen by a hash of their row) to validation, and training
+    skips them. 0: such a source is an error (validation never reads training data)."""
 
 
 @dataclass

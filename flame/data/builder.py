@@ -17,7 +17,8 @@ def build_dataloader_from_options(opts: DataOptions, tokenizer: Any, dp_rank: in
     if not (0 <= dp_rank < dp_world_size):
         raise ConfigError(f"dp_rank: {dp_rank} is not in [0, {dp_world_size})")
     boundary = boundary_tokens(tokenizer, opts.boundary_policy)
-    sources = [open_source(spec, tokenizer, opts.text_column, opts.streaming, opts.split_role)
+    sources = [open_source(spec, tokenizer, opts.text_column, opts.streaming, opts.split_role,
+                           opts.bad_document_policy, opts.holdout_fraction, opts.validation_from_training)
                for spec in opts.sources]
     validation = opts.split_role == "validation"
     dataset = PackedDataset(opts, sources, boundary, dp_rank, dp_world_size, with_sources=validation)

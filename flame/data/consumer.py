@@ -9,13 +9,15 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
+from flame.data.documents import Doc
 from flame.data.layout import Layout
 from flame.data.packing import pack_batch
 from flame.data.permute import Permutation, key_of, uniforms
 from flame.data.tokenizer import Boundary
 from flame.errors import ConfigError
 
-FETCH_DOCS = 32  # documents read and tokenized together (batched tokenization)
+FETCH_DOCS = 32  # documents read and tokenized together (batched tokenization), fewer when they are long
+FETCH_BYTES = 1 << 20  # raw bytes read ahead at most beyond the first document of a fetch
 
 
 class MapShare:
@@ -26,7 +28,7 @@ class MapShare:
         self.source, self.layout, self.v, self.V = source, layout, v, V
         self.seed, self.index, self.shuffle = seed, index, shuffle
         self.taken = taken  # share entries handed out so far
-        self._queue: list[tuple[np.ndarray, int, tuple[int, int]]] = []
+        self._queue: list[tuple[Any, bool, int, tuple[int, int]]] = []
         self._perms: dict[int, Permutation] = {}
 
     def _doc_indices(self, ordinals: np.ndarray) -> np.ndarray:
@@ -44,14 +46,20 @@ class MapShare:
             out[sel] = self._perms[e](within[sel])
         return out
 
-    def next(self) -> tuple[np.ndarray, int, tuple[int, int]]:
-        """(token ids, tokens already emitted, (document index, epoch))."""
+    def next(self) -> tuple[Any, bool, int, tuple[int, int]]:
+        """(document body or None when skipped, whether the row was bad, tokens already emitted,
+        (document index, epoch))."""
         if not self._queue:
             ordinals, offsets = self.layout.share(self.v, self.V, self.taken, FETCH_DOCS)
             indices = self._doc_indices(ordinals)
+            # Long documents (or a small source whose fetch would repeat them epoch after epoch) are
+            # read a few at a time: memory follows FETCH_BYTES, not FETCH_DOCS x document length.
+            k = self.source.fetch_count(indices)
+            ordinals, offsets, indices = ordinals[:k], offsets[:k], indices[:k]
             docs = self.source.fetch(indices)
             epochs = (ordinals // self.source.num_docs).tolist()
-            self._queue = list(zip(docs, offsets.tolist(), zip(indices.tolist(), epochs)))[::-1]
+            self._queue = [(body, bad, off, ident) for (body, bad), off, ident
+                           in zip(docs, offsets.tolist(), zip(indices.tolist(), epochs))][::-1]
         self.taken += 1
         return self._queue.pop()
 
@@ -76,7 +84,7 @@ class StreamShare:
         self.epoch, self.pos, self.base = epoch, pos, base  # pos: next item index to consider
         self.last = pos  # index of the item handed out last
         self._it: Iterator[tuple[int, int, int, int, Any]] | None = None
-        self._queue: list[tuple[int, int, int, int, np.ndarray]] = []
+        self._queue: list[tuple[int, int, int, int, Any, bool]] = []
 
     def _epoch_items(self, epoch: int) -> Iterator[tuple[int, int, Any]]:
         """(position in the shuffled epoch, position in stored order, item)."""
@@ -113,17 +121,20 @@ class StreamShare:
                 raise ConfigError(f"training.dataset: {self.source.name!r} is empty (0 documents)")
             epoch, pos, base = epoch + 1, 0, 0
 
-    def next(self) -> tuple[np.ndarray, int, tuple[int, int]]:
+    def next(self) -> tuple[Any, bool, int, tuple[int, int]]:
         if not self._queue:
             if self._it is None:
                 self._it = self._mine(self.epoch, self.pos, self.base)
-            got = [next(self._it) for _ in range(FETCH_DOCS)]
-            docs = self.source.convert([g[4] for g in got])
-            self._queue = [(*g[:4], d) for g, d in zip(got, docs)][::-1]
+            got, size = [], 0
+            while len(got) < FETCH_DOCS and size <= FETCH_BYTES:
+                got.append(next(self._it))
+                size += self.source.size(got[-1][4])
+            docs = self.source.convert([g[4] for g in got], [g[3] for g in got])
+            self._queue = [(*g[:4], *d) for g, d in zip(got, docs)][::-1]
         # The position follows the documents handed out, not the read-ahead.
-        self.epoch, self.base, self.last, stored, doc = self._queue.pop()
+        self.epoch, self.base, self.last, stored, body, bad = self._queue.pop()
         self.pos = self.last + 1
-        return doc, 0, (stored, self.epoch)
+        return body, bad, 0, (stored, self.epoch)
 
     def rewind(self, index: int) -> None:
         """Make the next document the one at ``index`` of the current epoch (partial-doc resume)."""
@@ -141,6 +152,7 @@ class Consumer:
         n = len(sources)
         self.draws = int(st.get("draws", 0))
         self.tokens = [int(x) for x in st.get("tokens", [0] * n)]
+        self.bad = [int(x) for x in st.get("bad", [0] * n)]  # bad rows met (skipped or replaced)
         self.batches = int(st.get("batches", 0))
         taken = st.get("taken", [0] * n)
         spos = st.get("stream", [None] * n)
@@ -157,7 +169,7 @@ class Consumer:
         self._u = np.zeros(0)
         self._u_start = 0
         # The current document: its tokens (with boundary tokens), source and tokens already emitted.
-        self.doc: np.ndarray | None = None
+        self.doc: Doc | None = None
         self.doc_src = -1
         self.doc_pos = 0
         self.doc_ident = (-1, -1)
@@ -171,7 +183,8 @@ class Consumer:
                 share.untake()
             else:
                 share.rewind(int(cur[2]))
-            self._load_doc(s, *share.next(), extra_offset=offset)
+            body, _bad, start, ident = share.next()  # counted when it was first taken
+            self._load_doc(s, body, start, ident, extra_offset=offset)
 
     # -- mixing ---------------------------------------------------------------------------------
     def _pick_source(self) -> int:
@@ -188,25 +201,28 @@ class Consumer:
         self.draws += 1
         return int(np.searchsorted(self.cum, u, side="right").clip(0, len(self.cum) - 1))
 
-    def _load_doc(self, s: int, raw: np.ndarray, start_offset: int, ident: tuple[int, int], extra_offset: int = 0):
-        parts = []
-        if self.boundary.bos is not None:
-            parts.append(np.asarray([self.boundary.bos], dtype=np.int64))
-        parts.append(np.asarray(raw, dtype=np.int64))
-        if self.boundary.eos is not None:
-            parts.append(np.asarray([self.boundary.eos], dtype=np.int64))
-        self.doc = np.concatenate(parts) if len(parts) > 1 else parts[0]
+    def _load_doc(self, s: int, body: Any, start_offset: int, ident: tuple[int, int], extra_offset: int = 0):
+        self.doc = Doc(body, self.boundary.bos, self.boundary.eos)
         self.doc_src = s
         self.doc_ident = ident
         # A resumed partial document continues after the tokens that were emitted already.
         self.doc_pos = max(int(start_offset), int(extra_offset))
 
     def _next_doc(self) -> None:
+        skipping: dict[int, int] = {}  # source -> epoch of its first skipped row in this call
         while True:
             s = self._pick_source()
-            raw, offset, ident = self.shares[s].next()
-            self._load_doc(s, raw, offset, ident)
-            if self.doc_pos < len(self.doc):
+            body, bad, offset, ident = self.shares[s].next()
+            self.bad[s] += int(bad)
+            if body is None:
+                # A skipped row (bad, or held out for validation): the draw and the share position are
+                # spent, like any document's. Two epochs of nothing but skips would never end.
+                if ident[1] >= skipping.setdefault(s, ident[1]) + 2:
+                    raise ConfigError(f"training.dataset: every document of {self.sources[s].name!r} is skipped "
+                                      "(not valid UTF-8, or held out for validation)")
+                continue
+            self._load_doc(s, body, offset, ident)
+            if self.doc.at(self.doc_pos):
                 return
             # An empty document without boundary tokens (or fully emitted before a resize) adds nothing.
 
@@ -216,12 +232,13 @@ class Consumer:
         need = len(out)
         i = 0
         while i < need:
-            if self.doc is None or self.doc_pos >= len(self.doc):
+            if self.doc is None or not self.doc.at(self.doc_pos):
                 self._next_doc()
             if self.doc_pos == 0:
                 starts.append(i)
-            n = min(need - i, len(self.doc) - self.doc_pos)
-            out[i:i + n] = self.doc[self.doc_pos:self.doc_pos + n]
+            piece, first = self.doc.piece, self.doc.start
+            n = min(need - i, first + len(piece) - self.doc_pos)
+            out[i:i + n] = piece[self.doc_pos - first:self.doc_pos - first + n]
             if src_ids is not None:
                 src_ids[i:i + n] = self.doc_src
             consumed = min(n, need - 1 - i)  # the last window token is peeked, not consumed
@@ -245,11 +262,11 @@ class Consumer:
                 stream.append({"epoch": sh.epoch, "pos": sh.pos, "base": sh.base})
         cur = None
         # The current document was taken but not fully emitted (possibly only peeked at).
-        if self.doc is not None and self.doc_pos < len(self.doc):
+        if self.doc is not None and self.doc.at(self.doc_pos):
             sh = self.shares[self.doc_src]
             cur = [self.doc_src, self.doc_pos, sh.last if isinstance(sh, StreamShare) else -1]
         return {"v": self.v, "taken": taken, "stream": stream, "cur": cur, "draws": self.draws,
-                "tokens": list(self.tokens), "batches": self.batches}
+                "tokens": list(self.tokens), "bad": list(self.bad), "batches": self.batches}
 
     def batches_iter(self, with_sources: bool = False) -> Iterator[dict]:
         B, T = self.opts.batch_size, self.opts.seq_len

@@ -105,8 +105,18 @@ class FlameDataLoader(ParallelAwareDataloader):
         """Tokens taken from each source so far (this rank's consumers, plus earlier runs)."""
         return gstate.summary(self._local_view())["tokens"]
 
+    def bad_document_counts(self) -> dict[str, int]:
+        """Bad rows (not valid UTF-8; skipped or replaced) met per source so far (as above)."""
+        return gstate.summary(self._local_view())["bad_documents"]
+
     def _log_tokens(self, g: dict) -> None:
-        counts = gstate.summary(g)["tokens"]
+        summary = gstate.summary(g)
+        counts = summary["tokens"]
         if not any(counts.values()):
             return  # nothing read yet (e.g. the template DCP asks for before loading)
-        logger.info("dataloader tokens per source: " + ", ".join(f"{k}={v:,}" for k, v in counts.items()))
+        line = "dataloader tokens per source: " + ", ".join(f"{k}={v:,}" for k, v in counts.items())
+        bad = {k: v for k, v in summary["bad_documents"].items() if v}
+        if bad:
+            policy = self.packed.opts.bad_document_policy
+            line += f"; bad rows ({policy}): " + ", ".join(f"{k}={v:,}" for k, v in bad.items())
+        logger.info(line)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from flame.errors import ConfigError
 
 BOUNDARY_POLICIES = ("auto", "bos", "eos", "bos_eos", "none")
+BAD_DOCUMENT_POLICIES = ("skip", "replace", "error")
 MIX_BY = ("documents", "tokens")
 
 
@@ -38,6 +39,12 @@ class DataOptions:
     mix_by: str = "documents"
     boundary_policy: str = "auto"
     mask_cross_document_labels: bool = False
+    bad_document_policy: str = "skip"
+    # > 0: sources without a validation split hold out this share of documents for validation
+    # (excluded from training; see flame.data.holdout).
+    holdout_fraction: float = 0.0
+    # Validation only: the sources are the training sources (validation.dataset not set).
+    validation_from_training: bool = False
     seed: int = 0
     num_workers: int = 0
     prefetch_factor: int | None = None
@@ -52,15 +59,18 @@ class DataOptions:
 
 
 def _split_list(value: str | None, what: str, n: int | None) -> list[str | None]:
-    """Split a comma list; empty entries mean "default". Length must be n when n is given."""
+    """Split a comma list; empty entries mean "default". A single entry applies to every source;
+    otherwise the length must be n when n is given."""
     if value is None or (isinstance(value, str) and value.strip() == ""):
         return [None] * (n or 0)
     items = value if isinstance(value, (list, tuple)) else str(value).split(",")
     items = [(s.strip() or None) if s is not None else None for s in items]
+    if n is not None and len(items) == 1:
+        return items * n
     if n is not None and len(items) != n:
         raise ConfigError(
             f"training.{what}: {value!r} has {len(items)} entries but training.dataset has {n}; "
-            "give one entry per dataset (empty entries allowed)"
+            "give one entry for all datasets or one per dataset (empty entries allowed)"
         )
     return items
 
@@ -124,6 +134,11 @@ def validate(o: DataOptions) -> None:
             )
     if o.boundary_policy not in BOUNDARY_POLICIES:
         raise ConfigError(f"training.boundary_policy: {o.boundary_policy!r} is not one of {BOUNDARY_POLICIES}")
+    if o.bad_document_policy not in BAD_DOCUMENT_POLICIES:
+        raise ConfigError(
+            f"training.bad_document_policy: {o.bad_document_policy!r} is not one of {BAD_DOCUMENT_POLICIES}")
+    if not (0.0 <= o.holdout_fraction < 1.0):
+        raise ConfigError(f"validation.holdout_fraction: {o.holdout_fraction} must be in [0, 1)")
     if o.mix_by not in MIX_BY:
         raise ConfigError(f"training.mix_by: {o.mix_by!r} is not one of {MIX_BY}")
     if o.num_workers < 0:
@@ -143,6 +158,7 @@ def _get(section: Any, name: str, default: Any = None) -> Any:
 def options_from_job_config(job_config: Any, split: str = "train") -> DataOptions:
     """Read flame's ``training.*`` (and ``validation.*`` for split="validation") fields."""
     t = job_config.training
+    v = _get(job_config, "validation")
     batch_size = _get(t, "local_batch_size") or _get(t, "batch_size") or 8
     seed = _get(t, "seed")
     if seed is None:
@@ -154,12 +170,19 @@ def options_from_job_config(job_config: Any, split: str = "train") -> DataOption
         mix_by=_get(t, "mix_by", "documents") or "documents",
         boundary_policy=_get(t, "boundary_policy", "auto") or "auto",
         mask_cross_document_labels=bool(_get(t, "mask_cross_document_labels", False)),
+        bad_document_policy=_get(t, "bad_document_policy", "skip") or "skip",
         seed=int(seed or 0),
         num_workers=int(_get(t, "num_workers", 0) or 0),
         prefetch_factor=_get(t, "prefetch_factor"),
         pin_memory=bool(_get(t, "pin_memory", False)),
         persistent_workers=bool(_get(t, "persistent_workers", False)),
     )
+    # Held-out validation documents come out of the training sources only when validation runs on
+    # the training sources (no validation.dataset) and holdout is on.
+    val_dataset = _get(v, "dataset_path") or _get(v, "dataset")
+    if val_dataset == "c4_validation":
+        val_dataset = None  # torchtitan's placeholder default
+    holdout = float(_get(v, "holdout_fraction", 0.0) or 0.0) if _get(v, "enable", False) and not val_dataset else 0.0
     if split == "train":
         sources = parse_sources(
             _get(t, "dataset"),
@@ -175,29 +198,35 @@ def options_from_job_config(job_config: Any, split: str = "train") -> DataOption
             seq_len=int(_get(t, "seq_len", 2048)),
             streaming=bool(_get(t, "streaming", False)),
             shuffle_buffer_size=int(_get(t, "shuffle_buffer_size", 10000) or 10000),
+            holdout_fraction=holdout,
             **common,
         )
     if split != "validation":
         raise ConfigError(f"split: {split!r} is not 'train' or 'validation'")
-    v = job_config.validation
-    dataset = _get(v, "dataset_path") or _get(v, "dataset")
-    if not dataset or dataset == "c4_validation":
-        # torchtitan's placeholder default: validate on the held-out split of the training sources.
-        dataset = _get(t, "dataset")
-    sources = parse_sources(dataset, field_prefix="validation")
-    seq_len = int(_get(v, "seq_len", 0) or _get(t, "seq_len", 2048))
+    if val_dataset:
+        sources = parse_sources(val_dataset, field_prefix="validation")
+    else:
+        # The validation split of each training source, or (without one) its held-out documents.
+        sources = parse_sources(_get(t, "dataset"), _get(t, "dataset_name"), _get(t, "dataset_split"),
+                                _get(t, "data_dir"), _get(t, "data_files"))
+        if holdout == 0.0:
+            holdout = float(_get(v, "holdout_fraction", 0.0) or 0.0)
+    # Unset (None): the training batch size and sequence length.
+    seq_len = int(_get(v, "seq_len", None) or _get(t, "seq_len", 2048))
     common["context_len"] = min(common["context_len"], seq_len)
     # Validation is a fixed, ordered pass in the main process (it is small and must be identical
     # from one evaluation to the next).
     common.update(num_workers=0, prefetch_factor=None, persistent_workers=False)
     return DataOptions(
-        sources=tuple(replace(s, split=s.split or "validation") for s in sources),
+        sources=sources,
         probs=tuple([1.0 / len(sources)] * len(sources)),
-        batch_size=int(_get(v, "local_batch_size", 0) or batch_size),
+        batch_size=int(_get(v, "local_batch_size", None) or batch_size),
         seq_len=seq_len,
         streaming=False,
         shuffle=False,
         split_role="validation",
+        holdout_fraction=0.0 if val_dataset else holdout,
+        validation_from_training=not val_dataset,
         **common,
     )
 

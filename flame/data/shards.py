@@ -105,11 +105,19 @@ class ShardReader:
             self._maps[i] = (tokens, offsets)
         return self._maps[i]
 
-    def doc(self, index: int) -> np.ndarray:
+    def _span(self, index: int) -> tuple[np.ndarray, int, int]:
         shard = int(np.searchsorted(self.starts, index, side="right") - 1)
         tokens, offsets = self._shard(shard)
         local = index - int(self.starts[shard])
-        return np.asarray(tokens[int(offsets[local]):int(offsets[local + 1])], dtype=np.int64)
+        return tokens, int(offsets[local]), int(offsets[local + 1])
+
+    def doc(self, index: int) -> np.ndarray:
+        tokens, a, b = self._span(index)
+        return np.asarray(tokens[a:b], dtype=np.int64)
+
+    def doc_length(self, index: int) -> int:
+        _tokens, a, b = self._span(index)
+        return b - a
 
     def lengths(self) -> np.ndarray:
         return np.concatenate([np.diff(np.asarray(self._shard(i)[1])) for i in range(len(self.meta["shards"]))])

@@ -30,6 +30,7 @@ def fresh(source_names: Sequence[str], streaming: Sequence[bool], dp_world_size:
         "layouts": [None if s else [] for s in streaming],
         "streams": [{"epoch": 0, "base": 0} if s else None for s in streaming],
         "tokens_base": [0] * len(source_names),
+        "bad_base": [0] * len(source_names),
         "consumers": {},
         "next_worker": {},
     }
@@ -50,6 +51,15 @@ def token_totals(state: dict) -> list[int]:
     tot = list(state["tokens_base"])
     for c in state["consumers"].values():
         for i, t in enumerate(c["tokens"]):
+            tot[i] += int(t)
+    return tot
+
+
+def bad_totals(state: dict) -> list[int]:
+    """Bad rows (skipped or replaced) met per source so far."""
+    tot = list(state.get("bad_base", [0] * len(state["sources"])))
+    for c in state["consumers"].values():
+        for i, t in enumerate(c.get("bad", [])):
             tot[i] += int(t)
     return tot
 
@@ -99,6 +109,7 @@ def reshard(state: dict, dp_world_size: int, num_workers: int) -> tuple[dict, bo
         epoch, base = min(positions)
         out["streams"][i] = {"epoch": epoch, "base": base}
     out["tokens_base"] = token_totals(state)
+    out["bad_base"] = bad_totals(state)
     out["consumers"] = {}
     out["gen"] = int(state["gen"]) + 1
     out["V"] = V
@@ -116,4 +127,5 @@ def check_compatible(state: dict, source_names: Sequence[str]) -> None:
 
 
 def summary(state: dict) -> dict[str, Any]:
-    return {"tokens": dict(zip(state["sources"], token_totals(state))), "V": state["V"], "gen": state["gen"]}
+    return {"tokens": dict(zip(state["sources"], token_totals(state))),
+            "bad_documents": dict(zip(state["sources"], bad_totals(state))), "V": state["V"], "gen": state["gen"]}

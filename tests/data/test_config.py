@@ -23,7 +23,7 @@ def job(dataset, **training):
         training=SimpleNamespace(**t),
         model=SimpleNamespace(tokenizer_path=TOKENIZER),
         validation=SimpleNamespace(enable=True, dataset=None, dataset_path=None, local_batch_size=3, seq_len=8,
-                                   freq=10, steps=2),
+                                   freq=10, steps=2, holdout_fraction=0.005),
     )
 
 
@@ -66,8 +66,50 @@ def test_validation_loader_is_per_source_and_repeatable(tmp_path, tok):
     assert next(iter(build_dataloader(cfg, tok, 0, 1, split="validation")))["input_ids"].shape == (3, 8)
 
 
+def test_without_a_validation_split_validation_reads_held_out_documents_only(tmp_path, tok):
+    from flame_data_testlib import coverage, take
+
+    from flame.data.holdout import held_out_rows
+
+    texts = text_docs(300, seed=2)
+    path = write_jsonl(tmp_path / "one.jsonl", texts)
+    cfg = job(path, varlen=True, context_len=16, seed=3, local_batch_size=8, batch_size=8, seq_len=64)
+    cfg.validation.local_batch_size = cfg.validation.seq_len = None  # default: the training ones
+    cfg.validation.holdout_fraction = 0.02
+    held = set(held_out_rows(300, 0.02).tolist())
+    assert 0 in held and 2 <= len(held) <= 20
+    val = build_dataloader(cfg, tok, 0, 1, split="validation")
+    batches = take(val, 2)
+    assert batches[0]["input_ids"].shape == (8, 64) and "cu_seqlens" in batches[0]
+    seen = {texts_row for b in batches for texts_row in _rows_of(b, tok, texts)}
+    assert seen and seen <= held
+    # Training (any number of ranks) never reads a held-out document; it reads the others.
+    for world in (1, 2):
+        trained = set()
+        for r in range(world):
+            loader = build_dataloader(cfg, tok, r, world)
+            loader.packed.opts.extra["trace"] = True
+            trained |= {d for (_s, d, _e) in coverage(b["_trace"] for b in take(loader, 40 // world))}
+        assert not trained & held and trained | held == set(range(300))  # more than an epoch
+    cfg.validation.holdout_fraction = 0.0
+    with pytest.raises(ConfigError, match="holdout_fraction: 0 and training source"):
+        build_dataloader(cfg, tok, 0, 1, split="validation")
+    assert build_dataloader(cfg, tok, 0, 1).packed.sources[0].excluded is None  # nothing held out then
+
+
+def _rows_of(batch, tok, texts):
+    """Rows whose tokens occur in the batch (validation batches carry no trace)."""
+    flat = batch["input_ids"].flatten().tolist()
+    out = set()
+    for i, t in enumerate(texts):
+        ids = tok(t, add_special_tokens=False)["input_ids"][:6]
+        if any(flat[j:j + len(ids)] == ids for j in range(len(flat) - len(ids) + 1)):
+            out.add(i)
+    return out
+
+
 @pytest.mark.parametrize("kw,needle", [
-    (dict(dataset="x.jsonl,y.jsonl", dataset_split="train"), "dataset_split"),
+    (dict(dataset="x.jsonl,y.jsonl,z.jsonl", dataset_split="train,test"), "dataset_split"),
     (dict(dataset="a,b", data_probs=[1.0, -1.0]), "-1.0"),
     (dict(dataset="a,b", data_probs=[1.0]), "data_probs"),
     (dict(dataset="a", seq_len=1), "seq_len: 1"),
@@ -78,6 +120,17 @@ def test_validation_loader_is_per_source_and_repeatable(tmp_path, tok):
 def test_bad_options_name_the_value(kw, needle):
     with pytest.raises(ConfigError, match=needle):
         options_for_test(**kw)
+
+
+def test_one_entry_of_a_per_source_option_applies_to_every_source():
+    from flame.data.options import parse_sources
+
+    specs = parse_sources("a,b,c", dataset_name="cfg", dataset_split="train", data_dir="d", data_files="*.jsonl")
+    assert [(s.name, s.split, s.data_dir, s.data_files) for s in specs] == [("cfg", "train", "d", "*.jsonl")] * 3
+    specs = parse_sources("a,b", dataset_split="train,", data_dir=",x")
+    assert [(s.split, s.data_dir) for s in specs] == [("train", None), (None, "x")]
+    opts = options_for_test(dataset="a,b", dataset_split="train", data_probs=[0.6, 0.4])
+    assert opts.probs == pytest.approx((0.6, 0.4))
 
 
 def test_bad_sources_name_the_value(tmp_path, tok):

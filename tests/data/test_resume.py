@@ -149,3 +149,19 @@ def test_distributed_state_is_identical_on_every_rank(tmp_path):
     state = json.loads(got[0])
     assert sorted(state["consumers"]) == ["0", "1"]
     assert [state["consumers"][k]["batches"] for k in ("0", "1")] == [3, 4]
+
+
+def test_streaming_mixture_resumes_exactly_after_every_batch(tmp_path, tok):
+    # Two streaming sources: the source that is not being emitted at the save point resumes from its
+    # saved stream position alone (the current document's source is rewound separately).
+    a = write_jsonl(tmp_path / "a.jsonl", text_docs(30, seed=5, prefix="a"))
+    b = write_jsonl(tmp_path / "b.jsonl", text_docs(30, seed=6, prefix="b"))
+    kw = dict(dataset=f"{a},{b}", data_probs=[0.5, 0.5], batch_size=2, seq_len=12, seed=7, streaming=True,
+              shuffle_buffer_size=8)
+    reference = take(build(tok, **kw), 12)
+    for n in range(1, 9):
+        first = build(tok, **kw)
+        take(first, n)
+        resumed = build(tok, **kw)
+        resumed.load_state_dict(first.state_dict())
+        assert same_batches(take(resumed, 4), reference[n:n + 4]), n
