@@ -106,8 +106,9 @@ class Job:
 
     # -- signals ---------------------------------------------------------------------------
     def on_signal(self, signum, frame):
-        if self.proc is None:
-            raise SystemExit(128 + signum)  # nothing started yet
+        if self.proc is None:  # nothing started yet
+            print(f"flame: stopped by {signal.Signals(signum).name} before training started", file=sys.stderr)
+            raise SystemExit(128 + signum)
         if self.signum:
             self.proc.kill()  # a second signal: torchrun's death takes the workers with it
             return
