@@ -531,8 +531,8 @@ def main(argv: list[str] | None = None) -> int:
         code = outcome.report("error", f"flame: error: {e}", outcome.EXIT_USER_ERROR)
     except NonFiniteError as e:
         code = outcome.report("nonfinite", f"flame: stopped: {e}", outcome.EXIT_NONFINITE)
-    except Exception as e:
-        full = outcome.find_errno(e)
+    except BaseException as e:  # torch's CheckpointException is a BaseException
+        full = None if isinstance(e, (SystemExit, KeyboardInterrupt)) else outcome.find_errno(e)
         if full is None:
             outcome.report_crash(e)
             raise

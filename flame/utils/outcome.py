@@ -53,6 +53,8 @@ def report(kind: str, line: str, code: int, echo: bool = True, **extra) -> int:
 
 def report_crash(exc: BaseException) -> None:
     """Record an internal error with its traceback's tail (the exception still propagates)."""
+    if isinstance(exc, (SystemExit, KeyboardInterrupt)):
+        return
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     last = f"{type(exc).__name__}: {exc}".strip().splitlines()
     report("crash", f"flame: crashed on rank {_rank()}: {last[0] if last else type(exc).__name__}", 1,
@@ -65,13 +67,13 @@ def find_errno(exc: BaseException, code: int = errno.ENOSPC) -> OSError | None:
     seen, todo = set(), [exc]
     while todo:
         e = todo.pop()
-        if e is None or id(e) in seen:
+        if not isinstance(e, BaseException) or id(e) in seen:
             continue
         seen.add(id(e))
         if isinstance(e, OSError) and e.errno == code:
             return e
         todo += [e.__cause__, e.__context__, getattr(e, "exc", None)]
         failures = getattr(e, "failures", None)
-        if isinstance(failures, dict):
-            todo += list(failures.values())
+        if isinstance(failures, dict):  # rank -> (exception, stack summary)
+            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
     return None

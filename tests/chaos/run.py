@@ -79,7 +79,7 @@ def interrupted_run(dump, ranks, steps, interval, kills, rng, log):
             return problems, launches
         start_step = max((r["step"] for r in records(dump)), default=0)
         if rng.random() < 0.5:
-            target = rng.randint(start_step + 1, steps)
+            target = rng.randint(min(start_step + 1, steps), steps)
             how = f"at step {target}"
             while proc.poll() is None and max((r["step"] for r in records(dump)), default=0) < target:
                 time.sleep(0.05)

@@ -144,3 +144,17 @@ def test_launcher_user_error_in_worker_is_one_line(tmp_path):
     assert job.returncode == 2, (out[-2000:], err)
     assert len(err.splitlines()) == 1 and err.startswith(f"flame: error: model.config {str(bad)!r}"), err
     assert "ChildFailedError" not in out + err
+
+
+def test_full_disk_during_a_save_is_one_line(tmp_path, run_main, monkeypatch):
+    import errno
+
+    from torch.distributed.checkpoint import filesystem
+
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp_path / "run" / "checkpoint" / "step-2"))
+
+    monkeypatch.setattr(filesystem, "_write_item", no_space)
+    code, lines, _ = run_main(str(tmp_path / "run"), "--training.steps", "4", "--checkpoint.interval", "2")
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("flame: error: the disk is full") and str(tmp_path / "run" / "checkpoint") in lines[0]
