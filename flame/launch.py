@@ -175,7 +175,10 @@ def explain(rc: int, records: list[dict], job: Job, rdzv: str) -> tuple[int, str
                                 "Connection refused", "TimeoutError")):
         reason = next((l.strip() for l in reversed(job.torchrun_lines)
                        if "Error" in l and ":" in l and not l.startswith(" ")), "see DUMP/logs/torchrun.log")
-        return 2, (f"flame: error: rendezvous at {rdzv} failed (MASTER_ADDR/MASTER_PORT): {reason[:300]}")
+        name, _, message = reason.partition(": ")  # drop the module path and the hint to read on
+        reason = f"{name.rsplit('.', 1)[-1]}: {message.split('. ')[0]}" if message else reason
+        return 2, (f"flame: error: rendezvous at {rdzv} failed ({reason[:200]}); is another program on that port? "
+                   "(a single-node job without MASTER_PORT takes a free port)")
     killed = [l for l in job.torchrun_lines if "exitcode: -" in l]
     if killed:
         sig = killed[0].split("exitcode: -", 1)[1].split(")")[0]

@@ -158,3 +158,35 @@ def test_full_disk_during_a_save_is_one_line(tmp_path, run_main, monkeypatch):
     code, lines, _ = run_main(str(tmp_path / "run"), "--training.steps", "4", "--checkpoint.interval", "2")
     assert code == 2 and len(lines) == 1, lines
     assert lines[0].startswith("flame: error: the disk is full") and str(tmp_path / "run" / "checkpoint") in lines[0]
+
+
+def test_overrides_apply_on_top_of_the_default_job():
+    from flame.config.manager import FlameConfigManager
+    from flame.launch import default_job, job_args
+
+    cfg = FlameConfigManager().parse_args(job_args(["--training.steps", "20", "--job.dump_folder", "/tmp/x"]))
+    assert (cfg.training.steps, cfg.job.dump_folder) == (20, "/tmp/x")
+    assert cfg.model.config == os.path.join(ROOT, "configs/debug/transformer_tiny.json")  # the rest is the default job
+    assert cfg.optimizer.lr == float(default_job()[default_job().index("--optimizer.lr") + 1])
+    own = ["--job.config_file", "my.toml", "--training.steps", "3"]
+    assert job_args(own) == own  # a user TOML replaces the default job
+
+
+def test_launcher_picks_the_line_that_explains_the_run():
+    from flame.launch import Job, explain
+
+    job = Job([], sys.executable, {})
+    crash = dict(kind="crash", line="flame: crashed on rank 0: RuntimeError: peer gone", code=1, rank=0, time=2.0,
+                 traceback="Traceback\n  ...\nRuntimeError: peer gone\n", log_dir="/d/logs/x/attempt_0/0")
+    error = dict(kind="error", line="flame: error: bad value", code=2, rank=1, time=1.0)
+    stopped = dict(kind="stopped", line="flame: stopped at step 4 (SIGTERM); relaunch ...", code=143, rank=0, time=1.0)
+    assert explain(1, [crash, error], job, "") == (2, "flame: error: bad value")  # the cause, not its echo
+    assert explain(1, [stopped], job, "") == (143, stopped["line"])
+    code, text = explain(1, [crash], job, "")
+    assert code == 1 and text.endswith("flame: crashed on rank 0: RuntimeError: peer gone\n"
+                                       "full log: /d/logs/x/attempt_0/0/stderr.log") and "Traceback" in text
+    job.torchrun_lines = ["torch.distributed.elastic.rendezvous.api.RendezvousConnectionError: The connection to "
+                          "the C10d store has failed. See inner exception for details.\n"]
+    code, text = explain(1, [], job, "MASTER_ADDR=10.0.0.1 MASTER_PORT=29500")
+    assert code == 2 and text.startswith("flame: error: rendezvous at MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 failed")
+    assert explain(0, [], Job([], sys.executable, {}), "") == (0, "")
