@@ -234,8 +234,8 @@ def main(argv: list[str]) -> int:
         if lock_fd is None:
             print(f"flame: warning: {dump}: the file system has no flock; two runs on this folder are not "
                   "prevented", file=sys.stderr)
-        else:
-            env[run_lock.ENV] = os.path.realpath(dump)
+    # the trainer takes no lock of its own: node 0's launcher holds it (global rank 0 may sit on any node)
+    env[run_lock.ENV] = os.path.realpath(dump)
     log_dir = os.path.join(dump, "logs")
     try:
         os.makedirs(log_dir, exist_ok=True)
