@@ -109,8 +109,11 @@ class StopRequest:
         now = time.monotonic()
         if not self.signum:
             self.signum, self.first = signum, now
-            print(f"flame: {signal.Signals(signum).name} received: stopping after this step "
-                  "(send it again to exit at once)", file=sys.stderr, flush=True)
+            try:
+                print(f"flame: {signal.Signals(signum).name} received: stopping after this step "
+                      "(send it again to exit at once)", file=sys.stderr, flush=True)
+            except OSError:
+                pass  # stderr on a full disk: the stop itself must not fail
         elif now - self.first > self.debounce:
             os._exit(128 + signum)
 
