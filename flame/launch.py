@@ -262,7 +262,7 @@ def main(argv: list[str]) -> int:
     cmd = [python, "-m", "torch.distributed.run", "--nnodes", nnode, "--nproc_per_node", ngpu, *rdzv_args,
            "--local-ranks-filter", os.environ.get("LOG_RANK", "0"), "--role", "rank", "--tee", "3",
            "--log_dir", log_dir, "--shutdown_timeout", os.environ.get("FLAME_SHUTDOWN_TIMEOUT", "120"),
-           "-m", "flame.train", *args]
+           os.path.join(HERE, "launch_worker.py"), *args]
     try:
         rc = job.run(cmd, log_dir)
         records = []

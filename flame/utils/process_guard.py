@@ -53,6 +53,9 @@ def die_with_launcher(poll_seconds: float = 1.0) -> bool:
     Returns whether the guard was armed (only processes started by torchrun arm it)."""
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         return False
+    if os.environ.get("FLAME_GUARD_PID") == str(os.getpid()):
+        return True  # armed already (flame/launch_worker.py does it before importing flame)
+    os.environ["FLAME_GUARD_PID"] = str(os.getpid())
     parent = os.getppid()
     set_parent_death_signal(signal.SIGKILL)
     launcher = int(os.environ.get(LAUNCHER_ENV, "0") or 0)
