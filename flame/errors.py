@@ -3,3 +3,7 @@
 
 class ConfigError(ValueError):
     """Bad user input: a config value, a path, a degree. The message names the value."""
+
+
+class NonFiniteError(RuntimeError):
+    """Training produced a NaN/Inf loss or gradient norm; the run stops before saving anything."""

@@ -7,7 +7,9 @@ normalized by that count, clip, step (or skip on NaN/Inf), log.
 
 import contextlib
 import json
+import math
 import os
+import signal
 import sys
 import time
 from datetime import timedelta
@@ -33,8 +35,10 @@ from flame.config.manager import FlameConfigManager, accumulation_steps
 from flame.distributed.device import init_process_group, local_device
 from flame.distributed.parallelize import parallelize
 from flame.distributed.precision import autocast_context
-from flame.errors import ConfigError
+from flame.errors import ConfigError, NonFiniteError
 from flame.models import build as model_build
+from flame.utils import outcome, run_lock
+from flame.utils.process_guard import StopRequest, die_with_launcher
 
 
 def _check_dump_folder(path: str) -> None:
@@ -203,6 +207,10 @@ class Trainer(Stateful):
         self.step = 0
         self.ntokens_seen = 0
         self.skipped_steps = 0
+        self.consecutive_skips = 0
+        if t.max_consecutive_skips < 0:
+            raise ConfigError(f"training.max_consecutive_skips {t.max_consecutive_skips}: must be >= 0 (0: no limit)")
+        self.stop_request = None  # main() installs the SIGTERM/SIGINT handlers
         self.checkpointer = FlameCheckpointManager(
             dataloader=self.dataloader,
             model_parts=[model],
@@ -326,14 +334,28 @@ class Trainer(Stateful):
             grad_norm, skipped = self.clip_and_step()
         if skipped:
             self.skipped_steps += 1
+            self.consecutive_skips += 1
             self.metrics.skipped_steps = self.skipped_steps
             logger.warning(f"step {self.step}: gradient norm is {grad_norm}; optimizer step skipped")
+            limit = cfg.training.max_consecutive_skips
+            if limit and self.consecutive_skips > limit:
+                raise NonFiniteError(f"{self.consecutive_skips} optimizer steps in a row skipped (non-finite gradient "
+                                     f"norm) at step {self.step}, more than training.max_consecutive_skips {limit}; "
+                                     "nothing was saved for these steps")
         else:
+            self.consecutive_skips = 0
             self.lr_schedulers.step()  # a skipped step does not advance the schedule
         self.optimizers.zero_grad()
+        # without skip_nan_inf a NaN/Inf stops the run here, before anything is saved: one scalar
+        # read per step, after the optimizer's kernels are queued (skip_nan_inf reads it before)
+        if not cfg.training.skip_nan_inf and not math.isfinite(float(grad_norm)):
+            raise NonFiniteError(f"non-finite gradient norm ({float(grad_norm)}) at step {self.step}; nothing was "
+                                 "saved for this step (lower optimizer.lr, or set training.skip_nan_inf)")
 
         if self.metrics.should_log(self.step):
             loss_value = all_sum(loss_total, pd.get_optional_mesh("loss")).item()
+            if not math.isfinite(loss_value) and not skipped:
+                raise NonFiniteError(f"non-finite loss ({loss_value}) at step {self.step}; nothing was saved for this step")
             self.metrics.log(self.step, loss_value, float(grad_norm), lr, {"tokens_seen": self.ntokens_seen * self.dp_degree})
 
     def clip_and_step(self) -> tuple[torch.Tensor, bool]:
@@ -380,13 +402,18 @@ class Trainer(Stateful):
         self.metrics.log_scalars(values, self.step)
 
     # -- the loop ------------------------------------------------------------------------
-    def train(self) -> None:
+    def train(self) -> int:
+        """Train to ``training.steps``; returns the exit code (0, or 128 + signal after a stop request)."""
         cfg = self.cfg
         self.checkpointer.load(step=cfg.checkpoint.load_step)
         if cfg.checkpoint.create_seed_checkpoint:
             self.checkpointer.save(curr_step=0, last_step=True)
             logger.info("Created seed checkpoint")
-            return
+            return 0
+        if self.step > 0 and self.step >= cfg.training.steps:
+            return self._already_finished()
+        stop = self.stop_request or StopRequest()
+        stop.attach(torch.distributed.get_world_size())
         logger.info(
             f"Training from step {self.step + 1} to {cfg.training.steps}: batch {cfg.training.local_batch_size} x "
             f"seq {cfg.training.seq_len} x accumulation {cfg.training.gradient_accumulation_steps} x dp {self.dp_degree}"
@@ -403,6 +430,7 @@ class Trainer(Stateful):
         with maybe_enable_profiling(cfg.profiling, global_step=self.step, base_folder=cfg.job.dump_folder) as prof:
             while self.step < cfg.training.steps:
                 self.step += 1
+                stop.poll()  # shares this rank's stop flag while the step runs
                 gc_handler.run(self.step)
                 calibrator = getattr(self.offload, "calibrator", None)
                 if calibrator is not None and calibrator.before_step():
@@ -427,11 +455,60 @@ class Trainer(Stateful):
                 if self.step == 1 and self.device.type == "cuda":
                     # shorter timeout once compilation and lazy init are done (its barrier is CUDA-only)
                     dist_utils.set_pg_timeouts(timedelta(seconds=cfg.comm.train_timeout_seconds), self.parallel_dims)
+                signum = stop.requested()
+                if signum:
+                    return self._stop(signum)
         import gc
 
         gc.enable()  # GarbageCollection disabled it for the loop only
+        self._check_finite_weights()
         self.export_hf()
         write_run_summary(self)
+        return 0
+
+    def _stop(self, signum: int) -> int:
+        """After SIGTERM/SIGINT: save this step (whatever checkpoint.interval says) and exit 128 + signum."""
+        ck = self.checkpointer
+        name = signal.Signals(signum).name
+        if ck.enable:
+            if not ck._should_save(self.step, self.step == self.cfg.training.steps):
+                interval, ck.interval = ck.interval, self.step  # one save now, through the ordinary path
+                try:
+                    ck.save(self.step)
+                finally:
+                    ck.interval = interval
+            ck.maybe_wait_for_staging()
+            if ck.async_mode != "disabled" and hasattr(ck, "_async_wait"):
+                ck._async_wait()
+            line = f"flame: stopped at step {self.step} ({name}); relaunch the same command to resume"
+        else:
+            line = (f"flame: stopped at step {self.step} ({name}); checkpointing is disabled (checkpoint.enable), "
+                    "so nothing was saved and a relaunch starts over")
+        return outcome.report("stopped", line, 128 + signum, echo=torch.distributed.get_rank() == 0)
+
+    def _already_finished(self) -> int:
+        """A relaunch of a run whose final checkpoint exists: no training, no second export."""
+        hf_dir = os.path.join(self.cfg.job.dump_folder, "hf")
+        missing = self.cfg.checkpoint.export_hf and not os.path.isdir(hf_dir)
+        if torch.distributed.get_rank() == 0:
+            print(f"flame: already finished at step {self.step} (training.steps {self.cfg.training.steps})"
+                  + ("; writing the missing Hugging Face export" if missing else "; nothing to do"), flush=True)
+        if missing:
+            self.export_hf()
+        return 0
+
+    def _check_finite_weights(self) -> None:
+        """A NaN/Inf weight is never exported (one pass over the local shards, once per run)."""
+        if self.offload is not None or not self.cfg.checkpoint.export_hf:
+            return
+        bad = torch.zeros((), device=self.device)
+        for p in self.model.parameters():
+            local = p.to_local() if isinstance(p, DTensor) else p
+            bad += (~torch.isfinite(local.detach())).any().float()
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            torch.distributed.all_reduce(bad)
+        if bad.item():
+            raise NonFiniteError(f"the weights hold NaN/Inf at step {self.step}; not exported")
 
     def _export_with_checkpoint(self) -> bool:
         """``checkpoint.export_hf_every_checkpoint``: an HF folder next to every interval checkpoint."""
@@ -455,22 +532,56 @@ class Trainer(Stateful):
             self.metrics.close()
 
 
+def _lock_dump_folder(dump_folder: str) -> int | None:
+    """Rank 0 holds the dump folder's lock unless flame's launcher already does."""
+    if int(os.environ.get("RANK", "0")) != 0 or run_lock.holds_lock_for(dump_folder):
+        return None
+    try:
+        fd = run_lock.acquire(dump_folder)
+    except run_lock.DumpFolderInUse as e:
+        raise ConfigError(str(e)) from None
+    except OSError as e:
+        raise ConfigError(f"job.dump_folder {dump_folder!r}: not writable ({e.strerror})") from None
+    if fd is None:
+        logger.warning(f"{dump_folder}: the file system has no flock; two runs on this folder are not prevented")
+    return fd
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Exit codes: 0 done, 2 user error (one ``flame: error:`` line), 3 NaN/Inf, 128 + N stopped by
+    signal N (after saving), 1 internal error (traceback)."""
     init_logger()
-    trainer = None
+    die_with_launcher()
+    stop = StopRequest().install()
+    trainer = cfg = lock = None
+    code = 0
     try:
         cfg = FlameConfigManager().parse_args(argv)
+        lock = _lock_dump_folder(cfg.job.dump_folder)
         trainer = Trainer(cfg)
-        trainer.train()
+        trainer.stop_request = stop
+        code = trainer.train()
     except ConfigError as e:
-        print(f"flame: error: {e}", file=sys.stderr)
-        return 2
+        code = outcome.report("error", f"flame: error: {e}", outcome.EXIT_USER_ERROR)
+    except NonFiniteError as e:
+        code = outcome.report("nonfinite", f"flame: stopped: {e}", outcome.EXIT_NONFINITE)
+    except BaseException as e:  # torch's CheckpointException is a BaseException
+        full = None if isinstance(e, (SystemExit, KeyboardInterrupt)) else outcome.find_errno(e)
+        if full is None:
+            outcome.report_crash(e)
+            raise
+        where = full.filename or (cfg.job.dump_folder if cfg is not None else "the dump folder")
+        code = outcome.report("error", f"flame: error: the disk is full ({full.strerror}) writing {where}; free space "
+                                       "and relaunch the same command to resume", outcome.EXIT_USER_ERROR)
     finally:
+        stop.uninstall()
         if trainer is not None:
             trainer.close()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-    return 0
+        if lock is not None:
+            os.close(lock)
+    return code
 
 
 if __name__ == "__main__":

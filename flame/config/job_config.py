@@ -79,6 +79,10 @@ class Training:
     skip_nan_inf: bool = False
     """Skip the optimizer step when the gradient norm is NaN/Inf (the LR schedule does not advance)."""
 
+    max_consecutive_skips: int = 10
+    """With ``skip_nan_inf``: stop the run (exit 3, nothing saved) when more than this many optimizer
+    steps in a row were skipped; 0: no limit. Without ``skip_nan_inf`` the first NaN/Inf stops it."""
+
     compile: bool = False
     """Compile every block with torch.compile (alias of ``compile.enable``)."""
 
