@@ -25,7 +25,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from flame.components.chunked_loss import linear_cross_entropy_sum  # noqa: E402
-from flame.offload.profile import _time_cuda  # noqa: E402
+from flame.offload.measure.timer import seconds_per_call  # noqa: E402
 
 
 def timed(fn, iters: int = 5) -> tuple[float, int]:
@@ -34,7 +34,7 @@ def timed(fn, iters: int = 5) -> tuple[float, int]:
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    return _time_cuda(fn, iters), torch.cuda.max_memory_allocated() - base
+    return seconds_per_call(fn, iters), torch.cuda.max_memory_allocated() - base
 
 
 def main():

@@ -34,12 +34,14 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from flame.components.chunked_loss import chunked_head_loss, install_chunked_head, take_chunked_loss  # noqa: E402
-from flame.offload.calibration import measure_block_fudges, use_block_calibration  # noqa: E402
-from flame.offload.cost_model import Dtypes  # noqa: E402
-from flame.offload.costs import model_costs  # noqa: E402
-from flame.offload.profile import measure, save  # noqa: E402
+from flame.offload.measure.calibration import measure_block_fudges  # noqa: E402
+from flame.offload.measure.hardware import measure  # noqa: E402
+from flame.offload.measure.tracing import model_costs  # noqa: E402
+from flame.offload.planner.cost_model import Dtypes  # noqa: E402
+from flame.offload.planner.hardware import save  # noqa: E402
+from flame.offload.planner.refit import use_block_calibration  # noqa: E402
+from flame.offload.planner.solver import describe, solve_micro_batches  # noqa: E402
 from flame.offload.runtime.engine import OffloadEngine  # noqa: E402
-from flame.offload.solver import describe, solve_micro_batches  # noqa: E402
 
 GiB = 1024**3
 
@@ -332,7 +334,7 @@ def dist_rank() -> int:
 
 def run_row(name: str, args) -> dict:
     """One row, in this (child) process (every rank's process for section m rows)."""
-    from flame.offload.profile import load
+    from flame.offload.planner.hardware import load
 
     prof = load(os.path.join(args.out, "profile.json"))
     LOSS_CHUNK["tokens"] = args.loss_chunk_tokens

@@ -30,12 +30,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.offload import A_MB, A_SEQ, llama  # noqa: E402
 from flame.offload import optimizer_threads  # noqa: E402
-from flame.offload.calibration import (cpu_adam_scale, predict_again, use_block_calibration,  # noqa: E402
-                                      with_cpu_adam_scale)
-from flame.offload.cost_model import Dtypes  # noqa: E402
-from flame.offload.costs import model_costs  # noqa: E402
-from flame.offload.profile import from_dict  # noqa: E402
-from flame.offload.solver import Plan, solve_micro_batches  # noqa: E402
+from flame.offload.measure.tracing import model_costs  # noqa: E402
+from flame.offload.planner.cost_model import Dtypes  # noqa: E402
+from flame.offload.planner.hardware import from_dict  # noqa: E402
+from flame.offload.planner.plan import Plan  # noqa: E402
+from flame.offload.planner.refit import (cpu_adam_scale, predict_again, use_block_calibration,  # noqa: E402
+                                         with_cpu_adam_scale)
+from flame.offload.planner.solver import solve_micro_batches  # noqa: E402
 
 GiB = 1024**3
 # the engine rows of benchmarks/offload.py: (name, model, dtypes, GPU cap GiB, seq, sequences per step)

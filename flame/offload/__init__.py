@@ -31,11 +31,13 @@ def build_plan(model, job_config, device, world: int = 1, threads_from_profile: 
     """(plan, costs, profile) for `model` under job_config.offload, measuring what is missing.
     `threads_from_profile`: CPU optimizer threads from the profile's machine (planning for
     another machine) instead of the cores this process may use."""
-    from flame.offload.budgets import gpu_budget_bytes, host_budget_bytes
-    from flame.offload.cost_model import Dtypes
-    from flame.offload.costs import model_costs
-    from flame.offload.profile import load, measure, save
-    from flame.offload.solver import Plan, solve_micro_batches
+    from flame.offload.measure.hardware import measure
+    from flame.offload.measure.tracing import model_costs
+    from flame.offload.planner.budgets import gpu_budget_bytes, host_budget_bytes
+    from flame.offload.planner.cost_model import Dtypes
+    from flame.offload.planner.hardware import load, save
+    from flame.offload.planner.plan import Plan
+    from flame.offload.planner.solver import solve_micro_batches
 
     off: Offload = _get(job_config, "offload", None) or Offload()
     off.validate()
@@ -71,7 +73,7 @@ def build_plan(model, job_config, device, world: int = 1, threads_from_profile: 
     else:
         raise ConfigError(f"offload.profile={path!r}: not found, and no GPU to measure one")
     if world > 1 and multi_rank() and not (prof.allgather_gbps and prof.reducescatter_gbps):
-        from flame.offload.profile import measure_collectives
+        from flame.offload.measure.hardware import measure_collectives
 
         prof.allgather_gbps, prof.reducescatter_gbps = measure_collectives(device)
         logger.info("offload: all-gather %.1f GB/s, reduce-scatter %.1f GB/s (bus bandwidth, %d ranks)",
@@ -87,7 +89,8 @@ def build_plan(model, job_config, device, world: int = 1, threads_from_profile: 
     dt = Dtypes(off.compute_dtype, off.master_dtype, off.grad_dtype, off.moment_dtype)
     fudges = None
     if torch.device(device).type == "cuda":
-        from flame.offload.calibration import measure_block_fudges, use_block_calibration
+        from flame.offload.measure.calibration import measure_block_fudges
+        from flame.offload.planner.refit import use_block_calibration
 
         # one real block timed at the run's shapes, per candidate micro-batch, scales the
         # FLOP-based compute times; the outer (head and loss) is timed as it is
@@ -99,7 +102,7 @@ def build_plan(model, job_config, device, world: int = 1, threads_from_profile: 
                                       offload_activations=off.activation_offload,
                                       selective_recompute=off.selective_recompute)
     if off.calibrate:
-        from flame.offload.calibration import calibrated_plan_for
+        from flame.offload.planner.refit import calibrated_plan_for
 
         calibrated = calibrated_plan_for(_get(job_config, "job.dump_folder", "."), plan, off.overrides)
         if calibrated is not None:
@@ -174,7 +177,7 @@ def apply_offload(model, job_config, parallel_dims, device):
     moves every block to where the plan puts it. Returns None when offload is off, or enable=auto
     and everything fits (the trainer then runs its plain FSDP2 path, no overhead)."""
     from flame.offload.runtime.engine import OffloadEngine
-    from flame.offload.solver import describe
+    from flame.offload.planner.solver import describe
 
     off: Offload = _get(job_config, "offload", None) or Offload()
     off.validate()
@@ -208,7 +211,7 @@ def apply_offload(model, job_config, parallel_dims, device):
     )
     logger.info("%s", text)
     if off.calibrate and costs is not None:
-        from flame.offload.calibration import StepCalibrator
+        from flame.offload.measure.calibration import StepCalibrator
 
         engine.calibrator = StepCalibrator(engine, plan, costs, prof, off.overrides,
                                            _get(job_config, "job.dump_folder", "."), off.depths(),

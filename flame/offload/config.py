@@ -62,7 +62,8 @@ class Offload:
     """Let the planner offload blocks' activations to pinned host memory (copied out after each
     block's forward, back ahead of its backward) where that beats recomputing them. Off by default:
     it pays only when the PCIe link has room beside the weight traffic and no CPU optimizer shares
-    host memory bandwidth with the copies (offload-findings.md O12), and it doubles the planner's
+    host memory bandwidth with the copies (the copies and the AdamW slow each other down), and it
+    doubles the planner's
     search. `overrides = ["activations[i-j]=offload"]` forces it per block either way."""
 
     selective_recompute: bool = True

@@ -6,10 +6,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from flame.offload.planner.plan import Plan
 from flame.offload.runtime.engine import OffloadEngine
 from flame.offload.runtime.host_math import HostMath
 from flame.offload.runtime.streams import piece_ranges
-from flame.offload.solver import Plan
 
 F32 = {"compute": "float32", "master": "float32", "grad": "float32", "moment": "float32"}
 
@@ -158,8 +158,8 @@ def test_nan_grad_skips_step():
 
 
 def test_block_calibration_runs_repeatedly_on_cpu():
-    from flame.offload.calibration import measure_block_fudges
-    from flame.offload.costs import measure_costs
+    from flame.offload.measure.calibration import measure_block_fudges
+    from flame.offload.measure.tracing import measure_costs
     from test_planner import prof
 
     m = tiny()
@@ -171,7 +171,7 @@ def test_block_calibration_runs_repeatedly_on_cpu():
     assert set(cals) == {1, 2}
     assert cals[2]["predicted_fwd_bwd_s"] == pytest.approx(2 * cals[1]["predicted_fwd_bwd_s"], rel=0.05)
     # the outer (head + chunked loss) is timed without blocks and its times go into the costs
-    from flame.offload.calibration import use_block_calibration
+    from flame.offload.planner.refit import use_block_calibration
 
     chunked = {2: measure_costs(tiny(), 2, 16, loss_chunk_tokens=8)}
     cals = measure_block_fudges(m.config, chunked, prof(), 16, torch.float32, "cpu")
@@ -226,8 +226,8 @@ def test_memory_report_is_what_the_cost_model_counts(dtypes):
     """The engine's own device memory, category by category, is cost_model.static_gpu_bytes of
     the same plan (with equal dtypes the master is the compute copy and the grad buffer the
     accumulator: counted once)."""
-    from flame.offload.cost_model import Dtypes, static_gpu_bytes
-    from flame.offload.costs import measure_costs
+    from flame.offload.measure.tracing import measure_costs
+    from flame.offload.planner.cost_model import Dtypes, static_gpu_bytes
 
     mod = tiny()
     costs = measure_costs(copy.deepcopy(mod), 2, 16)
@@ -399,12 +399,13 @@ def test_engine_shortens_the_gil_switch_interval_while_it_lives():
     assert sys.getswitchinterval() == pytest.approx(before)
 
 
-def test_cost_model_mirrors_the_runtime_chunk_sizes():
-    """The planner does not import the runtime: its copies of the runtime's chunk sizes must agree."""
-    from flame.offload import cost_model
+def test_runtime_chunk_sizes_are_the_cost_models():
+    """The runtime takes its chunk sizes from the planner's cost model (one definition), which
+    counts their buffers."""
+    from flame.offload.planner import cost_model
     from flame.offload.runtime import engine, host_math
 
-    assert cost_model.CONV_CHUNK == engine.CONV_CHUNK and cost_model.HOST_MATH_CHUNK == host_math.CHUNK
+    assert cost_model.CONV_CHUNK == engine.CONV_CHUNK and cost_model.HOST_MATH_CHUNK == host_math.HostMath().chunk
 
 
 def test_no_decay_parameters_match_torch_param_groups():

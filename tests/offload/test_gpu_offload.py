@@ -7,11 +7,12 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from flame.offload.cost_model import Dtypes
-from flame.offload.costs import measure_costs, meta_model
-from flame.offload.profile import HardwareProfile
+from flame.offload.measure.tracing import measure_costs, meta_model
+from flame.offload.planner.cost_model import Dtypes
+from flame.offload.planner.hardware import HardwareProfile
+from flame.offload.planner.plan import Plan
+from flame.offload.planner.solver import solve
 from flame.offload.runtime.engine import OffloadEngine
-from flame.offload.solver import Plan, solve
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 GiB = 1024**3

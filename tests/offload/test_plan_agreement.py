@@ -7,8 +7,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from flame.offload import agree_on_plan
-from flame.offload.profile import measure_collectives
-from flame.offload.solver import Plan
+from flame.offload.measure.hardware import measure_collectives
+from flame.offload.planner.plan import Plan
 
 WORLD = 2
 

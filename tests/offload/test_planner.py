@@ -8,10 +8,12 @@ from transformers import LlamaConfig
 
 from flame.errors import ConfigError
 from flame.offload.config import Offload
-from flame.offload.cost_model import Dtypes, _flow, predict, unit_gpu_bytes, unit_host_bytes
-from flame.offload.costs import ModelCosts, UnitCosts, measure_costs, meta_model
-from flame.offload.profile import HardwareProfile, load, save
-from flame.offload.solver import Plan, describe, solve, spread
+from flame.offload.measure.tracing import measure_costs, meta_model
+from flame.offload.planner.block_costs import ModelCosts, UnitCosts
+from flame.offload.planner.cost_model import Dtypes, _flow, predict, unit_gpu_bytes, unit_host_bytes
+from flame.offload.planner.hardware import HardwareProfile, load, save
+from flame.offload.planner.plan import Plan
+from flame.offload.planner.solver import describe, solve, spread
 
 GiB = 1024**3
 
@@ -122,7 +124,7 @@ def test_peak_by_phase_by_hand():
     """The GPU peak above static memory is the larger of: the end of the forward (every activation +
     the loss's transient) and each block's backward (the inputs of it and the blocks before it +
     its transient; the outer's and later blocks' activations are freed by then)."""
-    from flame.offload.cost_model import RUNTIME_OVERHEAD_BYTES, predict_memory
+    from flame.offload.planner.cost_model import RUNTIME_OVERHEAD_BYTES, predict_memory
 
     mb = 2**20
     # (numel, act_keep, act_recompute, max_saved): a recomputed block's transient is its saved
@@ -205,7 +207,7 @@ def test_stored_profiles_of_other_versions_load(tmp_path):
 
 
 def test_cpu_adam_measured_per_dtype_on_this_machine():
-    from flame.offload.profile import measure_cpu_adam
+    from flame.offload.measure.hardware import measure_cpu_adam
 
     for dt in (torch.float32, torch.bfloat16):
         r = measure_cpu_adam([1, 2], numel=1 << 18, dtype=dt, steps=2)
@@ -280,7 +282,7 @@ def test_config_validation():
 
 
 def test_cli_infeasible_exits_nonzero(tmp_path, capsys):
-    from flame.offload import plan as cli
+    from flame.offload import calculator as cli
 
     save(prof(), str(tmp_path / "prof.json"))
     cfgdir = tmp_path / "m"
@@ -351,7 +353,7 @@ def test_chunked_loss_costs_by_hand(costs):
     assert chunked.extra["loss_chunk_transient_bytes"] == v * d * 4 + 512 * v * (4 + 2)
     assert [u.fwd_gemm_flops for u in chunked.units] == pytest.approx([u.fwd_gemm_flops for u in costs.units])
     # the head's dX and dW run inside the chunked forward: timed there, the same total and useful FLOPs
-    from flame.offload.cost_model import unit_times
+    from flame.offload.planner.cost_model import unit_times
 
     assert chunked.outer.bwd_in_fwd_gemm_flops == pytest.approx(2 * 2.0 * t * v * d)
     assert costs.outer.bwd_in_fwd_gemm_flops == 0.0
@@ -366,7 +368,7 @@ def test_chunked_loss_costs_by_hand(costs):
 def test_timed_unit_uses_its_seconds_not_flops(costs):
     """A unit timed before the run (the outer, by the block calibration) costs its seconds, scaled
     with the micro-batch, whatever the blocks' compute scale; its useful FLOPs stay FLOP-based."""
-    from flame.offload.cost_model import unit_times
+    from flame.offload.planner.cost_model import unit_times
 
     timed = ModelCosts.from_dict(costs.to_dict())
     timed.outer.timed_s = [0.25, 0.125]
@@ -386,16 +388,18 @@ def test_step_calibration_refits_writes_and_reuses_the_plan(tmp_path, monkeypatc
     by the next launch only when it was made for the same settings."""
     import types
 
-    from flame.offload import calibration as cal
+    from flame.offload.measure import calibration as step_timing
+    from flame.offload.measure.calibration import StepCalibrator
+    from flame.offload.planner import refit as cal
 
     p = prof()
     plan = solve(costs, p, Dtypes(), 3 * GiB, 64 * GiB, 2, 1, 15)
     assert cal.refit(plan, costs, p, plan.predicted["step_s"] * 1.05)[1] is None  # within 10%
     clock = iter([100.0, 100.0 + 30 * plan.predicted["step_s"]])
-    monkeypatch.setattr(cal.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(step_timing.time, "perf_counter", lambda: next(clock))
     engine = types.SimpleNamespace(synchronize=lambda: None, reset_host_seconds=dict)  # no host units timed
-    calib = cal.StepCalibrator(engine, plan, costs, p, [], str(tmp_path), window=1)
-    for _ in range(cal.StepCalibrator.FIRST - 1):
+    calib = StepCalibrator(engine, plan, costs, p, [], str(tmp_path), window=1)
+    for _ in range(StepCalibrator.FIRST - 1):
         assert calib.before_step() is False
         assert calib.after_step() is None
     assert calib.before_step() is True  # the window starts: the trainer restarts its peak window
@@ -446,7 +450,7 @@ def test_micro_batch_search_takes_each_candidates_compute_scale():
     """Per-micro-batch compute scales: a candidate is predicted with its own scale (the chosen
     plan records it), a candidate without one (its block did not fit when timed) is never chosen,
     and none at all is a one-line error."""
-    from flame.offload.solver import solve, solve_micro_batches
+    from flame.offload.planner.solver import solve, solve_micro_batches
 
     meta = meta_model(small_llama())
     costs_of = {mb: measure_costs(meta, mb, 2048) for mb in (4, 2, 1)}
@@ -468,7 +472,7 @@ def test_micro_batch_search_respects_budgets_and_is_monotone():
     """The planner's micro-batch choice (fastest over the divisors of 4 sequences per step): every
     plan within both budgets, never slower with more GPU memory, smaller micro-batches where the
     budget is tight."""
-    from flame.offload.solver import solve_micro_batches
+    from flame.offload.planner.solver import solve_micro_batches
 
     meta = meta_model(small_llama())
     costs_of = {mb: measure_costs(meta, mb, 2048, loss_chunk_tokens=1024) for mb in (4, 2, 1)}
@@ -496,7 +500,7 @@ def test_fla_costs_measured_on_meta(family):
     import time
 
     from flame.models.build import load_model_config
-    from flame.offload.costs import model_costs
+    from flame.offload.measure.tracing import model_costs
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     cfg = load_model_config(os.path.join(root, "configs/debug", f"{family}.json"))
@@ -528,7 +532,7 @@ def test_grad_conversion_to_master_dtype_is_costed(costs):
 def test_calibration_refits_the_cpu_adam_rate_before_compute(costs):
     """The engine measured its CPU AdamW at half the profiled rate: the refit halves the rate,
     and a step that is exactly what the plan predicts at that rate leaves the compute scale at 1."""
-    from flame.offload import calibration as cal
+    from flame.offload.planner import refit as cal
 
     p = prof()
     plan = solve(costs, p, Dtypes(), 40 * GiB, 64 * GiB, 2, 1, 15, overrides=["weights[*]=host"])
@@ -552,7 +556,7 @@ def test_measured_block_backward_peak_replaces_the_estimate(costs):
     """A block whose backward peak the calibration measured on the GPU is charged that (scaled with
     the micro-batch) when it is recomputed, on top of the blocks' inputs only; a block that keeps
     its activations is not."""
-    from flame.offload.cost_model import predict_memory
+    from flame.offload.planner.cost_model import predict_memory
 
     n = len(costs.layers)
     est = costs.layers[0].act_keep_bytes + 2 * costs.layers[0].max_saved_bytes
@@ -630,7 +634,7 @@ def test_cpu_optimizer_slowed_by_activations_sharing_host_memory():
     2 x memcpy (20 GB/s): the capacity is 112 GB/s; 56 GB/s of copies leave half of it, so it
     runs 2x slower; copies that leave less than a quarter count as leaving a quarter. In predict:
     a streamed block offloading 10 GB of activations stretches the first forward's CPU step."""
-    from flame.offload.cost_model import adam_traffic_bytes, cpu_contention
+    from flame.offload.planner.cost_model import adam_traffic_bytes, cpu_contention
 
     p = prof()  # host_memcpy 10 GB/s
     assert adam_traffic_bytes(Dtypes()) == 28
@@ -656,7 +660,7 @@ def test_selective_recompute_by_hand_and_in_the_solver(costs):
     recompute and keep) and its backward redoes the rest at HBM speed: 2 x (keep - select) bytes.
     The solver steps blocks down keep -> selective -> recompute: at a budget between, it uses
     selective blocks and predicts a faster step than recomputing only."""
-    from flame.offload.cost_model import predict_memory, selective_recompute_s
+    from flame.offload.planner.cost_model import predict_memory, selective_recompute_s
 
     l0 = costs.layers[0]
     assert l0.act_recompute_bytes < l0.act_select_bytes < l0.act_keep_bytes

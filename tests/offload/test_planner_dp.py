@@ -6,10 +6,10 @@ import pytest
 
 from flame.errors import ConfigError
 from flame.offload import check_parallel_dims
-from flame.offload.cost_model import (CONV_CHUNK, DEFAULT_COLLECTIVE_GBPS, Dtypes, collective_s, predict, static_gpu_bytes,
-                                      unit_gpu_bytes, unit_host_bytes)
-from flame.offload.costs import ModelCosts, UnitCosts
-from flame.offload.solver import solve
+from flame.offload.planner.block_costs import ModelCosts, UnitCosts
+from flame.offload.planner.cost_model import (CONV_CHUNK, DEFAULT_COLLECTIVE_GBPS, Dtypes, collective_s, predict,
+                                              static_gpu_bytes, unit_gpu_bytes, unit_host_bytes)
+from flame.offload.planner.solver import solve
 from test_planner import GiB, costs, prof  # noqa: F401 (costs: the module fixture)
 
 
@@ -104,8 +104,8 @@ def test_cli_plans_per_rank(tmp_path, capsys):
     from transformers import LlamaConfig
 
     from flame.config.manager import FlameConfigManager
-    from flame.offload import plan as cli
-    from flame.offload.profile import save
+    from flame.offload import calculator as cli
+    from flame.offload.planner.hardware import save
 
     save(prof(), str(tmp_path / "prof.json"))
     cfg = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4, vocab_size=1000)

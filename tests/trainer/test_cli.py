@@ -133,7 +133,7 @@ def test_help_shows_the_named_job_file_values(tmp_path):
 
 
 def test_plan_help_describes_the_calculator(capsys):
-    from flame.offload import plan
+    from flame.offload import calculator as plan
 
     assert plan.main(["--help"]) == 0
     text = capsys.readouterr().out
@@ -145,7 +145,7 @@ def test_plan_help_describes_the_calculator(capsys):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the fallback is for machines without a GPU")
 def test_plan_without_gpu_uses_the_bundled_profile(tmp_path, capsys):
-    from flame.offload import plan
+    from flame.offload import calculator as plan
 
     assert plan.BUNDLED_PROFILES, "flame ships a measured profile"
     rc = plan.main(["--model.config", TINY_LLAMA, "--training.batch_size", "2", "--training.seq_len", "64",

@@ -61,7 +61,7 @@ def test_calibration_logs_and_a_recalibrated_plan_is_used_on_resume(tmp_path):
     kept) and training continues exactly as an uninterrupted run."""
     import json
 
-    from flame.offload.calibration import CALIBRATED_PLAN
+    from flame.offload.planner.refit import CALIBRATED_PLAN
 
     full, split = str(tmp_path / "full"), str(tmp_path / "split")
     plan_path = str(tmp_path / "plan.json")

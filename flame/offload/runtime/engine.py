@@ -44,8 +44,9 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from flame.errors import ConfigError
-from flame.offload.cost_model import ACT_MODES, MEMORY_CATEGORIES
-from flame.offload.costs import find_blocks
+from flame.models.blocks import find_blocks
+from flame.offload.planner.cost_model import ACT_MODES, CONV_CHUNK, MEMORY_CATEGORIES
+from flame.offload.planner.plan import Plan
 from flame.offload.runtime.activations import HostActivations
 from flame.offload.runtime.collectives import all_gather_flat, comm_device, multi_rank, native, reduce_scatter_flat
 from flame.offload.runtime.host_math import HostMath
@@ -53,12 +54,10 @@ from flame.offload.runtime.selective import selective_checkpoint
 from flame.offload.runtime.state_dict import EngineStateDict
 from flame.offload.runtime.streams import PIN_PIECE_BYTES, Streams, copy_pieces, register_pinned, unregister_pinned
 from flame.offload.runtime.units import Unit, _same, _Slot
-from flame.offload.solver import Plan
 
 TOO_MANY_ROUNDS = ("offload: the plan has {} micro-batch(es) per step but the trainer ran more; "
                    "plan with the trainer's training.gradient_accumulation_steps")
 SWITCH_INTERVAL_S = 1e-4
-CONV_CHUNK = 1 << 25  # elements per GPU conversion chunk (128 MiB in fp32)
 DT = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -117,10 +116,9 @@ class OffloadEngine(EngineStateDict):
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-cpu")
         # The CPU worker dispatches a few torch ops per host chunk (HostMath) and needs the GIL
         # back after each; the training thread runs Python meanwhile (hooks, the recomputed
-        # forward) and keeps the GIL up to the switch interval each time (5 ms by default). On
-        # the H100 host one block's add + norm next to a Python thread took 207 ms at 0.5 ms and
-        # 8M-element chunks, 43-59 ms at 0.1 ms and 32M (40 ms alone; benchmarks/host_adds.py,
-        # offload-findings.md O5). A 0.1 ms interval while the engine lives, restored at close().
+        # forward) and keeps the GIL up to the switch interval each time (5 ms by default), which
+        # makes the worker's host adds several times slower than alone. At 0.1 ms they run at
+        # nearly their speed alone: that interval while the engine lives, restored at close().
         self._switch_interval = sys.getswitchinterval()
         sys.setswitchinterval(min(self._switch_interval, SWITCH_INTERVAL_S))
         self.host_math = HostMath()  # chunked adds and norms of host grads (the one pool worker only)

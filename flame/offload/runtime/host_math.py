@@ -9,19 +9,19 @@ H100 host. Converting a cache-sized chunk into an fp32 scratch and using torch's
 of an accumulator's last add is taken while its chunk is still in cache (or close to it).
 Each op needs the GIL to be dispatched, and the training thread holds it for up to the switch
 interval while it runs Python: chunks of 32M elements keep the op count per step low (the engine
-also shortens the switch interval); on the H100 host they were as fast as 8M alone and 3.5x
-faster next to a Python thread (benchmarks/host_adds.py).
+also shortens the switch interval): as fast as smaller chunks alone, several times faster next
+to a Python thread (benchmarks/host_adds.py measures both).
 """
 
 import torch
 
-CHUNK = 1 << 25  # elements per chunk (128 MiB in fp32)
+from flame.offload.planner.cost_model import HOST_MATH_CHUNK
 
 
 class HostMath:
     """Owns the one fp32 scratch chunk; use from one thread at a time (the engine's CPU worker)."""
 
-    def __init__(self, chunk: int = CHUNK):
+    def __init__(self, chunk: int = HOST_MATH_CHUNK):
         self.chunk = chunk
         self.scratch = None
 

@@ -1,10 +1,11 @@
-"""Per-block costs measured from the real model, not declared by hand.
+"""Per-block costs traced from the real model, not declared by hand.
 
 One forward+backward of the model (on the meta device for shapes only, or on a real device)
 runs under a FLOP counter and saved-tensor hooks. Forward pre/post hooks on every block tell
 which block is running, so every saved tensor and every FLOP is charged to its block; whatever
 runs outside the blocks (embeddings, final norm, head, loss) is the unit "outer". Works for any
-HF/FLA causal LM whose blocks are the largest ModuleList of same-class children.
+HF/FLA causal LM whose blocks are the largest ModuleList of same-class children
+(`flame.models.blocks.find_blocks`).
 
 Attention: on meta, torch's SDPA decomposes to a dense T x T score matrix, which flash kernels
 never store. During measurement SDPA is replaced by a stand-in with flash attention's saved set
@@ -16,7 +17,6 @@ with flame's torch implementations standing in.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn as nn
@@ -25,100 +25,11 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
 from flame.components.chunked_loss import chunked_head_loss, install_chunked_head, take_chunked_loss
+from flame.errors import ConfigError
+from flame.models.blocks import find_blocks
+from flame.models.cpu import cpu_fallbacks
+from flame.offload.planner.block_costs import ModelCosts, UnitCosts
 from flame.offload.runtime.selective import SAVED_OPS
-
-
-@dataclass
-class UnitCosts:
-    name: str
-    kind: str
-    """'layer' (streamable decoder block) or 'outer' (embeddings, final norm, head, loss)."""
-    numel: int
-    param_roles: dict[str, int]
-    """numel per parameter role (last module name, e.g. q_proj, gate_proj, input_layernorm)."""
-    fwd_gemm_flops: float
-    fwd_attn_flops: float
-    """Useful (causal) attention FLOPs of the forward."""
-    act_keep_bytes: int
-    """Bytes saved for backward when the block keeps its activations (weights excluded)."""
-    act_recompute_bytes: int
-    """Bytes kept when the block is fully recomputed (its tensor inputs)."""
-    max_saved_bytes: int
-    """Largest single saved tensor (bounds the backward's transient gradient buffers)."""
-    bwd_in_fwd_gemm_flops: float = 0.0
-    """Of bwd_gemm_flops, what the forward already runs (the chunked loss's head dX and dW):
-    timed in the forward phase, not in the backward."""
-    timed_s: list[float] | None = None
-    """[forward, backward] seconds of this unit at this micro-batch, timed on the device before the
-    run (calibration.measure_block_fudges times the outer: its loss runs far below GEMM rate). When
-    set, the cost model uses them instead of FLOPs at the profile's rate."""
-    act_select_bytes: int | None = None
-    """Bytes kept under selective recompute (runtime.selective): the block's inputs and the outputs
-    of its matmuls and attention. None: not measured (the mode is not offered)."""
-    act_offload_bytes: int | None = None
-    """Bytes copied to the host when the block's activations are offloaded: every distinct saved
-    floating-point tensor (views copied compactly, so views of one base count each), weights
-    excluded (runtime.activations). None: act_keep_bytes."""
-    bwd_peak_bytes: int | None = None
-    """GPU bytes a recomputed block's backward adds on top of its input (recomputed activations,
-    gradient buffers), measured on the device before the run (calibration.measure_block_fudges);
-    when set, the cost model uses it instead of act_keep_bytes + 2 x max_saved_bytes."""
-
-    @property
-    def bwd_gemm_flops(self) -> float:
-        # dX and dW each cost one forward matmul
-        return 2.0 * self.fwd_gemm_flops
-
-    @property
-    def bwd_attn_flops(self) -> float:
-        # flash backward: 5 matmuls of the score size vs 2 in the forward
-        return 2.5 * self.fwd_attn_flops
-
-
-@dataclass
-class ModelCosts:
-    micro_batch: int
-    seq_len: int
-    units: list[UnitCosts]
-    layer_class: str
-    extra: dict = field(default_factory=dict)
-
-    @property
-    def tokens(self) -> int:
-        return self.micro_batch * self.seq_len
-
-    @property
-    def layers(self) -> list[UnitCosts]:
-        return [u for u in self.units if u.kind == "layer"]
-
-    @property
-    def outer(self) -> UnitCosts:
-        return next(u for u in self.units if u.kind == "outer")
-
-    @property
-    def numel(self) -> int:
-        return sum(u.numel for u in self.units)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @staticmethod
-    def from_dict(d: dict) -> "ModelCosts":
-        d = dict(d)
-        d["units"] = [UnitCosts(**u) for u in d["units"]]
-        return ModelCosts(**d)
-
-
-def find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
-    """The largest ModuleList whose children all have one class: the decoder blocks."""
-    best, best_name = None, ""
-    for name, mod in model.named_modules():
-        if isinstance(mod, nn.ModuleList) and len(mod) > 0:
-            if len({type(c) for c in mod}) == 1 and (best is None or len(mod) > len(best)):
-                best, best_name = mod, name
-    if best is None:
-        raise ValueError(f"{type(model).__name__}: no ModuleList of identical blocks found")
-    return best_name, best
 
 
 class _FlashLike(torch.autograd.Function):
@@ -313,9 +224,6 @@ def model_costs(config, dtype, micro_batches, seq_len: int, loss_chunk_tokens: i
     Triton ops cannot run on meta: flame's torch implementations stand in during the measurement
     (their saved tensors and FLOPs approximate the kernels'; the block calibration and the in-run
     calibration correct time, the logged peak shows the memory error)."""
-    from flame.errors import ConfigError
-    from flame.models.cpu import cpu_fallbacks
-
     with cpu_fallbacks():
         meta = meta_model(config, dtype=dtype)
         try:

@@ -1,128 +1,40 @@
-"""Calibration: compare measured step time and peak memory with the plan's prediction, refit.
+"""Calibration measurements: real blocks timed before the run, steps timed during it.
 
 Before the run, `measure_block_fudges` times one real block at the run's shapes, at every
 candidate micro-batch, and scales the cost model's compute times per candidate (build_plan); the
 same pass times the outer (head, loss) as it runs and measures a recomputed block's backward
-peak, which `use_block_calibration` puts into the costs.
+peak, which `planner.refit.use_block_calibration` puts into the costs.
 During the run, `StepCalibrator` times a few steady steps once (steps 3-5 of the launch), logs
 predicted vs measured step time and peak GPU memory, and, when the step is off by more than 10%,
-refits and solves again, once: first the CPU AdamW rate, from the seconds the engine itself
-measured for it in the window (the profile's rate is a micro-benchmark), then the compute scale
-with what is left of the error (the approximation: the copies use measured rates, so the rest of
-the error is put on compute). A changed plan is written next to the checkpoints
-(`offload_plan_calibrated.json`) and used from the next launch of the job on (a resume), when it
-was made for the same dtypes, shapes, ranks and overrides and fits the budgets; the running
-engine is not rebuilt mid-run (that would hold a second copy of the whole optimizer state).
+refits and solves again, once (`planner.refit.refit`): first the CPU AdamW rate, from the seconds
+the engine itself measured for it in the window (the profile's rate is a micro-benchmark), then
+the compute scale with what is left of the error (the approximation: the copies use measured
+rates, so the rest of the error is put on compute). A changed plan is written next to the
+checkpoints (`offload_plan_calibrated.json`) and used from the next launch of the job on (a
+resume), when it was made for the same dtypes, shapes, ranks and overrides and fits the budgets;
+the running engine is not rebuilt mid-run (that would hold a second copy of the whole optimizer
+state).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import time
-from dataclasses import asdict
 
-from flame.offload.cost_model import Dtypes, shard_numel
-from flame.offload.solver import Plan, solve
+import torch
+import torch.nn as nn
+
+from flame.components.chunked_loss import chunked_head_loss, install_chunked_head, take_chunked_loss
+from flame.models.blocks import find_block_list
+from flame.offload.measure.timer import seconds_per_call
+from flame.offload.planner.cost_model import unit_times
+from flame.offload.planner.plan import Plan
+from flame.offload.planner.refit import CALIBRATED_PLAN, TOLERANCE, compare, cpu_adam_scale, refit, same_decisions
 
 logger = logging.getLogger(__name__)
 
-TOLERANCE = 0.10
-CALIBRATED_PLAN = "offload_plan_calibrated.json"
 GiB = 1024**3
-
-
-def compare(plan: Plan, measured_step_s: float, measured_peak_bytes: int | None) -> dict:
-    pr = plan.predicted
-    out = {
-        "predicted_step_s": pr["step_s"], "measured_step_s": measured_step_s,
-        "step_error": measured_step_s / pr["step_s"] - 1.0,
-        "predicted_peak_gpu_bytes": pr["peak_gpu_bytes"], "measured_peak_gpu_bytes": measured_peak_bytes,
-    }
-    if measured_peak_bytes is not None:
-        out["peak_error"] = measured_peak_bytes / pr["peak_gpu_bytes"] - 1.0
-    return out
-
-
-def cpu_adam_scale(plan: Plan, costs, prof, cpu_adam_s: float) -> float:
-    """Measured over profiled CPU AdamW rate: the seconds the plan's host units should take at the
-    profile's rate over the seconds the engine measured for them (its host_seconds["cpu_adam"]
-    per step). The profile's rate is a micro-benchmark; the engine's timing is what its steps saw."""
-    units = [costs.outer] + list(costs.layers)
-    modes = [plan.outer_mode] + list(plan.layer_modes)
-    params = sum(shard_numel(u.numel, plan.world) for u, m in zip(units, modes) if m != "gpu")
-    if not params or cpu_adam_s <= 0:
-        return 1.0
-    return params / prof.cpu_adam_rate(plan.cpu_threads, plan.node_ranks, plan.dtypes["master"]) / cpu_adam_s
-
-
-def with_cpu_adam_scale(prof, scale: float):
-    """The profile with every CPU AdamW rate (each states dtype) multiplied by `scale`."""
-    return dataclasses.replace(prof, cpu_adam_gparams={k: v * scale for k, v in prof.cpu_adam_gparams.items()},
-                               cpu_adam_bf16_gparams={k: v * scale for k, v in prof.cpu_adam_bf16_gparams.items()})
-
-
-def predict_again(plan: Plan, costs, prof, fudge: float):
-    """The plan's decisions predicted again with another profile or compute scale."""
-    from flame.offload.cost_model import predict
-
-    return predict(costs, prof, Dtypes(**plan.dtypes), plan.layer_modes, plan.layer_acts, plan.outer_mode,
-                   plan.prefetch_depth, plan.micro_batch, plan.rounds, plan.cpu_threads, fudge, plan.layer_gpu_acc,
-                   plan.outer_gpu_acc, world=plan.world, node_ranks=plan.node_ranks)
-
-
-def refit(plan: Plan, costs, prof, measured_step_s: float, overrides=None,
-          depths=(1, 2, 3), cpu_rate_scale: float = 1.0) -> tuple[float, Plan | None]:
-    """(refit compute scale, new plan or None when the step is within tolerance).
-
-    With `cpu_rate_scale` (cpu_adam_scale of the engine's measured CPU AdamW time) other than 1,
-    the CPU rate is refit first and the plan predicted again; what is left of the error goes to
-    the compute scale (the blocks': a unit timed before the run keeps its times, so the refit
-    predicts somewhat short of the measured step)."""
-    pr = plan.predicted
-    fudge = pr.get("compute_fudge", 1.0)
-    predicted = pr["step_s"]
-    if cpu_rate_scale != 1.0:
-        prof = with_cpu_adam_scale(prof, cpu_rate_scale)
-        predicted = predict_again(plan, costs, prof, fudge).step_s
-    ratio = measured_step_s / predicted
-    fudge *= ratio
-    if abs(measured_step_s / pr["step_s"] - 1.0) <= TOLERANCE:
-        return fudge, None
-    dt = Dtypes(**plan.dtypes)
-    new = solve(costs, prof, dt, plan.gpu_budget_bytes, plan.host_budget_bytes, plan.micro_batch, plan.rounds,
-                plan.cpu_threads, depths, overrides=overrides, fudge=fudge, world=plan.world,
-                node_ranks=plan.node_ranks, offload_activations=plan.activation_offload,
-                selective_recompute=plan.selective_recompute)
-    return fudge, new
-
-
-def same_decisions(a: Plan, b: Plan) -> bool:
-    return (a.layer_modes, a.layer_acts, a.outer_mode, a.prefetch_depth, a.unit_accs()) == \
-        (b.layer_modes, b.layer_acts, b.outer_mode, b.prefetch_depth, b.unit_accs())
-
-
-def calibrated_plan_for(dump_folder: str, reference: Plan, overrides) -> Plan | None:
-    """The plan a calibration of an earlier launch wrote, if it was made for what `reference`
-    (this launch's plan) was made for (dtypes, micro-batch, rounds, ranks, CPU threads, blocks,
-    overrides) and its predicted peaks fit this launch's budgets. None otherwise (the fresh plan
-    is used)."""
-    path = os.path.join(dump_folder, CALIBRATED_PLAN)
-    if not os.path.isfile(path):
-        return None
-    plan = Plan.load(path)
-    key = ("dtypes", "micro_batch", "seq_len", "rounds", "world", "node_ranks", "cpu_threads")
-    # budgets: the default host budget follows the free memory of the moment, so the plan only
-    # has to fit this launch's budgets
-    if any(getattr(plan, k) != getattr(reference, k) for k in key) or \
-            len(plan.layer_modes) != len(reference.layer_modes) or \
-            plan.predicted.get("overrides", []) != list(overrides or []) or \
-            plan.predicted["peak_gpu_bytes"] > reference.gpu_budget_bytes or \
-            plan.predicted["peak_host_bytes"] > reference.host_budget_bytes:
-        logger.info("offload: %s was made for other settings; not used", path)
-        return None
-    return plan
 
 
 class StepCalibrator:
@@ -143,8 +55,6 @@ class StepCalibrator:
         self.t0 = 0.0
 
     def _sync(self) -> None:
-        import torch
-
         self.engine.synchronize()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
@@ -153,8 +63,6 @@ class StepCalibrator:
         """True when the timed window starts with this step."""
         self.n += 1
         if self.n == self.FIRST:
-            import torch
-
             self._sync()
             if torch.cuda.is_available():
                 torch.cuda.reset_peak_memory_stats()
@@ -168,8 +76,6 @@ class StepCalibrator:
         (the trainer's metrics logger, at every log), else the allocator's own."""
         if self.n != self.last:
             return None
-        import torch
-
         self._sync()
         measured = (time.perf_counter() - self.t0) / (self.last - self.FIRST + 1)
         peak = peak_bytes
@@ -203,33 +109,7 @@ class StepCalibrator:
         return rep
 
 
-__all__ = ["CALIBRATED_PLAN", "StepCalibrator", "calibrated_plan_for", "compare", "refit", "same_decisions",
-           "use_block_calibration", "asdict"]
-
-
-def _time(fn, iters: int = 3, warm_s: float = 0.0) -> float:
-    """Seconds per call: CUDA events on a GPU (the profile's timer), a host clock otherwise. With
-    `warm_s`, `fn` first runs for that long: a GPU at its power limit lowers its clock within
-    a fraction of a second of sustained GEMMs, and a training step runs at that clock."""
-    import torch
-
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < warm_s:
-        fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-    if torch.cuda.is_available():
-        from flame.offload.profile import _time_cuda
-
-        return _time_cuda(fn, iters)
-    fn()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    return (time.perf_counter() - t0) / iters
-
-
-# seconds of sustained work before the first timing (see _time)
+# seconds of sustained work before the first timing (see timer.seconds_per_call)
 WARM_S = 1.0
 
 
@@ -244,7 +124,6 @@ def measure_block_fudges(config, costs_of: dict, prof, seq_len: int, dtype, devi
     out of the result (so are the larger ones)."""
     import copy
 
-    import torch
     from transformers import AutoModelForCausalLM
 
     c1 = copy.deepcopy(config)
@@ -274,33 +153,11 @@ def measure_block_fudges(config, costs_of: dict, prof, seq_len: int, dtype, devi
     return out
 
 
-def use_block_calibration(costs_of: dict, cals: dict) -> dict[int, float]:
-    """Put measure_block_fudges' outer times (and, from a GPU, the blocks' measured backward peak)
-    into the costs of each micro-batch it timed; returns the blocks' compute scale per micro-batch
-    (solve_micro_batches' `fudges`)."""
-    for mb, c in cals.items():
-        costs = costs_of[mb]
-        costs.outer.timed_s = [c["outer_fwd_s"], c["outer_bwd_s"]]
-        if c.get("bwd_peak_bytes"):  # measured on a GPU: for every block built like the one timed
-            for u in costs.layers:
-                if u.param_roles == costs.layers[0].param_roles:
-                    u.bwd_peak_bytes = c["bwd_peak_bytes"]
-    return {mb: c["fudge"] for mb, c in cals.items()}
-
-
 def _time_outer(m, costs, micro_batch: int, seq_len: int, device: str) -> dict:
     """Time the outer of the one-block model `m` (its blocks taken out) with a grad-enabled forward,
     as training runs it: the chunked loss does its head's backward matmuls and float32 softmax
     passes there, far below GEMM rate."""
-    import torch
-    import torch.nn as nn
-
-    from flame.components.chunked_loss import chunked_head_loss, install_chunked_head, take_chunked_loss
-    from flame.offload.costs import find_blocks
-
-    name, blocks = find_blocks(m)
-    parent, _, attr = name.rpartition(".")
-    owner = m.get_submodule(parent) if parent else m
+    owner, attr, blocks = find_block_list(m, max_classes=1)
     ids = torch.zeros((micro_batch, seq_len), dtype=torch.long, device=device)
     chunk = costs.extra.get("loss_chunk_tokens", 0)
     head = install_chunked_head(m, chunk) if chunk else None
@@ -319,7 +176,7 @@ def _time_outer(m, costs, micro_batch: int, seq_len: int, device: str) -> dict:
 
     setattr(owner, attr, nn.ModuleList())
     try:
-        tf, tfb = _time(loss), _time(fwd_bwd)
+        tf, tfb = seconds_per_call(loss), seconds_per_call(fwd_bwd)
     finally:
         setattr(owner, attr, blocks)
         for p in m.parameters():
@@ -334,10 +191,6 @@ class _Captured(Exception):
 def _time_block(m, blk, costs, prof, micro_batch: int, seq_len: int, device: str, warm_s: float = 0.0) -> dict:
     """Time `blk` (the one block of model `m`) fwd and fwd+bwd at micro_batch x seq_len, on inputs
     captured from `m`'s own forward, against the FLOP-based prediction of `costs`."""
-    import torch
-
-    from flame.offload.cost_model import unit_times
-
     got = {}
 
     def capture(mod, a, k):  # the block's inputs; the rest of the model (the head) is not run
@@ -368,8 +221,8 @@ def _time_block(m, blk, costs, prof, micro_batch: int, seq_len: int, device: str
         o = o[0] if isinstance(o, (tuple, list)) else o
         o.backward(torch.ones_like(o))
 
-    tfb = _time(fwd_bwd, warm_s=warm_s)
-    tf = _time(fwd)
+    tfb = seconds_per_call(fwd_bwd, warm_s=warm_s)
+    tf = seconds_per_call(fwd)
     pf, pb = unit_times(costs.layers[0], prof, micro_batch / costs.micro_batch)
     out = {"fudge": tfb / (pf + pb), "measured_fwd_s": tf, "measured_fwd_bwd_s": tfb,
            "predicted_fwd_s": pf, "predicted_fwd_bwd_s": pf + pb}

@@ -16,69 +16,17 @@ GPU budget, more GPU memory never predicts a slower step.
 
 from __future__ import annotations
 
-import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 
 from flame.errors import ConfigError
-from flame.offload.cost_model import (Dtypes, Prediction, activation_memory, combine_memory, duplex_shares,
-                                      effective_accs, offload_bytes, predict, state_memory, unit_times)
-from flame.offload.costs import ModelCosts
-from flame.offload.profile import HardwareProfile
+from flame.offload.planner.block_costs import ModelCosts
+from flame.offload.planner.cost_model import (Dtypes, Prediction, activation_memory, combine_memory, duplex_shares,
+                                              offload_bytes, predict, state_memory, unit_times)
+from flame.offload.planner.hardware import HardwareProfile
+from flame.offload.planner.plan import Plan
 
 GiB = 1024**3
-
-
-@dataclass
-class Plan:
-    layer_modes: list[str]
-    layer_acts: list[str]
-    outer_mode: str
-    prefetch_depth: int
-    micro_batch: int
-    seq_len: int
-    rounds: int
-    cpu_threads: int
-    dtypes: dict
-    gpu_budget_bytes: int
-    host_budget_bytes: int
-    predicted: dict = field(default_factory=dict)
-    binding: str = ""
-    layer_gpu_acc: list[bool] = field(default_factory=list)
-    """Per block: with rounds > 1, a host block's grads accumulate in a GPU buffer over the rounds
-    and go to the host once a step (else every round, added on the CPU). Missing: host."""
-    outer_gpu_acc: bool = False
-    world: int = 1
-    """Data-parallel ranks the plan was made for (host state sharded over them; bytes per rank)."""
-    node_ranks: int = 1
-    """Of those, the ranks on one machine: their CPU optimizers run at once on its cores."""
-    activation_offload: bool = False
-    """Whether the solver could choose to offload blocks' activations (offload.activation_offload);
-    the calibration's re-solve keeps the same choice."""
-    selective_recompute: bool = True
-    """Whether the solver could choose selective recompute (offload.selective_recompute)."""
-
-    @property
-    def offloads(self) -> bool:
-        return self.outer_mode != "gpu" or any(m != "gpu" for m in self.layer_modes)
-
-    def unit_accs(self) -> list[bool]:
-        """GPU grad accumulation of every unit, outer first, as the engine runs it."""
-        return effective_accs([self.outer_mode] + self.layer_modes, [self.outer_gpu_acc] + self.layer_gpu_acc, self.rounds)
-
-    def save(self, path: str) -> None:
-        with open(path, "w") as f:
-            json.dump(asdict(self), f, indent=1)
-
-    @staticmethod
-    def load(path: str) -> "Plan":
-        try:
-            with open(path) as f:
-                return Plan(**json.load(f))
-        except FileNotFoundError:
-            raise ConfigError(f"offload.plan={path!r}: file not found") from None
-        except (ValueError, TypeError) as e:
-            raise ConfigError(f"offload.plan={path!r}: not a plan file ({e})") from None
 
 
 def spread(n: int, counts: dict[str, int]) -> list[str]:
@@ -242,7 +190,7 @@ def solve_micro_batches(costs_of: dict[int, ModelCosts], step_sequences: int, pr
     """The fastest plan over micro-batches: `costs_of` maps candidate sequences per micro-batch
     (each dividing `step_sequences`) to their measured costs; rounds = step_sequences / micro-batch,
     so every candidate runs the same tokens per step. `fudges`: each candidate's compute scale
-    (calibration.measure_block_fudges; a candidate missing from it is left out), else `fudge` for
+    (measure.calibration.measure_block_fudges; a candidate missing from it is left out), else `fudge` for
     all. A minimum over plans that each only get faster with more GPU memory, so the monotonicity
     of `solve` holds. Raises the smallest candidate's "needs ..." error when none fits."""
     if fudges is not None and not fudges:

@@ -25,12 +25,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from flame.offload.costs import ModelCosts, UnitCosts
-from flame.offload.profile import HardwareProfile
+from flame.offload.planner.block_costs import ModelCosts, UnitCosts
+from flame.offload.planner.hardware import HardwareProfile
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-CONV_CHUNK = 1 << 25  # must match runtime.engine.CONV_CHUNK
-HOST_MATH_CHUNK = 1 << 25  # must match runtime.host_math.CHUNK (its float32 scratch chunk)
+# elements per chunk of the engine's GPU grad conversion (128 MiB in fp32; runtime.engine)
+CONV_CHUNK = 1 << 25
+# elements per chunk of the host grad adds and norms, the size of their float32 scratch buffer
+# (runtime.host_math)
+HOST_MATH_CHUNK = 1 << 25
 RUNTIME_OVERHEAD_BYTES = 256 * 2**20  # cuBLAS workspaces, small buffers: refit by calibration
 # bus bandwidth (nccl-tests' busbw) of all-gather / reduce-scatter when the profile has none: a
 # deliberately conservative figure (below NVLink's several hundred GB/s, above PCIe-only hosts)
@@ -426,8 +429,8 @@ def predict(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, layer_modes, l
     # CPU work per host unit at the step's end: the fused AdamW and the new compute copy when
     # master != compute dtype; grads in another dtype than the master are converted into a
     # master-dtype buffer first. Each conversion is one copy op: its bytes read + written move at
-    # twice the profile's memcpy rate (which counts the bytes copied). Run 16 (H100 host, memcpy
-    # 39.8 GB/s): 3.2G params fp32 -> bf16 in 0.261 s, 74 GB/s read + written.
+    # twice the profile's memcpy rate (which counts the bytes copied): a dtype conversion reads
+    # and writes at about that rate on a host whose memcpy rate was measured.
     conv = dt.master_extra and (dt.master_extra + c)
     gconv = grad_conversion_bytes(dt)
     host_acc = [m != "gpu" and rounds > 1 and not a for m, a in zip(modes, accs)]
@@ -438,8 +441,7 @@ def predict(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, layer_modes, l
     # see runtime.host_math. The last round also takes the sum's norm chunk by chunk while the
     # chunk is in cache; approximated as one more read of g bytes/param. These bytes move at the
     # memcpy rate, half the conversions' traffic rate: several ops per chunk, each handing the GIL
-    # back and forth with the training thread (an 8B block's add + norm, 8 bytes/param, took
-    # 43-59 ms next to a Python thread on the H100 host: 30-40 GB/s; benchmarks/host_adds.py).
+    # back and forth with the training thread, which runs Python meanwhile.
     add_bytes = c + 2 * g + (2 * g if c != g else 0)
 
     def acc_s(j: int, r: int) -> float:
@@ -509,9 +511,8 @@ def predict(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, layer_modes, l
     # host memory. Host memory traffic is taken to sustain max(2 x the memcpy rate, what the AdamW
     # alone moves at its measured rate); the forward's average activation traffic is taken out of
     # it first, and the CPU work stretches when the AdamW's traffic no longer fits in the rest.
-    # Run 20 (H100 host, bf16 states): with 54 GB of activations going D2H in the forward the AdamW
-    # ran at 0.77x its profiled rate, at 0.94x beside the weight H2D alone (10 GB): within its
-    # step-to-step spread (O10), so the weights' reads are left out of this term.
+    # The weights' H2D reads are left out of this term: beside them alone the AdamW's rate stays
+    # within its step-to-step spread; activations copied to the host in bulk slow it measurably.
     slow = cpu_contention(prof, dt, cpu_rate, sum(off), phases[0])
     if slow > 1.0:
         cpu_t = [t * slow for t in cpu_t]

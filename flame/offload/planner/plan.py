@@ -1,0 +1,63 @@
+"""The offload plan: where every block's state and activations live, with the prediction it was
+chosen by. The one contract between the planner (which writes it) and the runtime (which
+executes it); saved and loaded as JSON (`offload.save_plan`, `offload.plan`)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+from flame.errors import ConfigError
+from flame.offload.planner.cost_model import effective_accs
+
+
+@dataclass
+class Plan:
+    layer_modes: list[str]
+    layer_acts: list[str]
+    outer_mode: str
+    prefetch_depth: int
+    micro_batch: int
+    seq_len: int
+    rounds: int
+    cpu_threads: int
+    dtypes: dict
+    gpu_budget_bytes: int
+    host_budget_bytes: int
+    predicted: dict = field(default_factory=dict)
+    binding: str = ""
+    layer_gpu_acc: list[bool] = field(default_factory=list)
+    """Per block: with rounds > 1, a host block's grads accumulate in a GPU buffer over the rounds
+    and go to the host once a step (else every round, added on the CPU). Missing: host."""
+    outer_gpu_acc: bool = False
+    world: int = 1
+    """Data-parallel ranks the plan was made for (host state sharded over them; bytes per rank)."""
+    node_ranks: int = 1
+    """Of those, the ranks on one machine: their CPU optimizers run at once on its cores."""
+    activation_offload: bool = False
+    """Whether the solver could choose to offload blocks' activations (offload.activation_offload);
+    the calibration's re-solve keeps the same choice."""
+    selective_recompute: bool = True
+    """Whether the solver could choose selective recompute (offload.selective_recompute)."""
+
+    @property
+    def offloads(self) -> bool:
+        return self.outer_mode != "gpu" or any(m != "gpu" for m in self.layer_modes)
+
+    def unit_accs(self) -> list[bool]:
+        """GPU grad accumulation of every unit, outer first, as the engine runs it."""
+        return effective_accs([self.outer_mode] + self.layer_modes, [self.outer_gpu_acc] + self.layer_gpu_acc, self.rounds)
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump(asdict(self), f, indent=1)
+
+    @staticmethod
+    def load(path: str) -> "Plan":
+        try:
+            with open(path) as f:
+                return Plan(**json.load(f))
+        except FileNotFoundError:
+            raise ConfigError(f"offload.plan={path!r}: file not found") from None
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"offload.plan={path!r}: not a plan file ({e})") from None
