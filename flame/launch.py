@@ -191,6 +191,20 @@ def explain(rc: int, records: list[dict], job: Job, rdzv: str) -> tuple[int, str
     return rc, "".join(job.torchrun_lines[-20:]) + f"flame: crashed: torchrun exited with {rc}; logs under DUMP/logs"
 
 
+def _shutdown_timeout_args() -> list[str]:
+    """torchrun's ``--shutdown_timeout`` (seconds workers get after a signal) where this torch has it
+    (torch 2.11's torchrun does not; it then uses its own fixed grace period)."""
+    spec = importlib.util.find_spec("torch")
+    run_py = os.path.join(os.path.dirname(spec.origin), "distributed", "run.py") if spec and spec.origin else ""
+    try:
+        with open(run_py) as f:
+            text = f.read()
+        supported = "--shutdown_timeout" in text or "--shutdown-timeout" in text
+    except OSError:
+        supported = False
+    return ["--shutdown_timeout", os.environ.get("FLAME_SHUTDOWN_TIMEOUT", "120")] if supported else []
+
+
 def main(argv: list[str]) -> int:
     python = os.environ.get("PYTHON") or sys.executable
     env = dict(os.environ)
@@ -261,7 +275,7 @@ def main(argv: list[str]) -> int:
         rdzv = f"MASTER_ADDR={addr} MASTER_PORT={port}"
     cmd = [python, "-m", "torch.distributed.run", "--nnodes", nnode, "--nproc_per_node", ngpu, *rdzv_args,
            "--local-ranks-filter", os.environ.get("LOG_RANK", "0"), "--role", "rank", "--tee", "3",
-           "--log_dir", log_dir, "--shutdown_timeout", os.environ.get("FLAME_SHUTDOWN_TIMEOUT", "120"),
+           "--log_dir", log_dir, *_shutdown_timeout_args(),
            os.path.join(HERE, "launch_worker.py"), *args]
     try:
         rc = job.run(cmd, log_dir)
