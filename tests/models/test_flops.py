@@ -9,11 +9,13 @@ Tolerances (documented in flame/models/README_SECTION.md):
   checked at model level; the GLA state term is checked at op level (15 %). Mamba/Mamba2's torch
   scans are elementwise, invisible to FlopCounterMode: only their dense part is compared (3 %).
 """
+import os
+
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from models_testlib import FLA_FAMILIES, debug_config
+from models_testlib import DEBUG_DIR, FLA_FAMILIES, debug_config
 
 B, T = 2, 128
 
@@ -79,3 +81,65 @@ def test_training_flops_formula_values():
     assert f['attention'] == pytest.approx(3 * L * 2 * H * 2 * dh * (128 + 1) / 2)
     # packed documents of mean length 32 attend 4x less; a window of 16 is capped
     assert flops_per_token(cfg, 128, context_len=32)['attention'] == pytest.approx(3 * L * 4 * H * dh * 33 / 2)
+
+
+def test_sliding_window_mean_keys_counted_row_by_row():
+    """Softmax attention with a window: the mean number of keys a query sees, counted query by query
+    (query i sees keys max(0, i - w + 1) .. i); a window at least as long as the sequence is no window."""
+    from flame.models.flops import mixer_forward_flops
+    from flame.models.registry import Mixer
+    H, dh = 3, 8
+    for seq, w in ((10, 4), (128, 16), (7, 1), (12, 11)):
+        keys = sum(i - max(0, i - w + 1) + 1 for i in range(seq)) / seq
+        got = mixer_forward_flops(Mixer('softmax', H, dh, dh, window=w), seq)
+        assert got == pytest.approx(2 * H * 2 * dh * keys, rel=1e-12), (seq, w)
+    assert mixer_forward_flops(Mixer('softmax', H, dh, dh, window=10), 10) == pytest.approx(2 * H * 2 * dh * 5.5)
+    assert mixer_forward_flops(Mixer('softmax', H, dh, dh, window=40), 10) == pytest.approx(2 * H * 2 * dh * 5.5)
+
+
+def test_windowed_transformer_config_flops():
+    """flame's transformer with ``window_size``: every layer counts the windowed mean (H=4, d_h=32, w=16)."""
+    from transformers import AutoConfig
+    from flame.models.flops import flops_per_token
+    import flame  # noqa: F401  (registers the transformer family)
+    cfg = AutoConfig.from_pretrained(os.path.join(DEBUG_DIR, 'transformer_tiny.json'), window_size=16)
+    keys = (16 * 17 / 2 + (128 - 16) * 16) / 128  # 120 queries see 16 keys, the first 16 see 1..16
+    L, H, dh = 2, 4, 32
+    assert flops_per_token(cfg, 128)['attention'] == pytest.approx(3 * L * 2 * H * 2 * dh * keys)
+
+
+def test_delta_rule_and_mamba_terms_by_hand():
+    from flame.models.flops import flops_per_token, mixer_forward_flops
+    from flame.models.registry import Mixer, layer_mixers
+    # delta rule, H=1, d_k=d_v=4, C=64: 6*4*4 (state, read, W S) + 64*(3*4 + 2*4) (intra-chunk) + 64^2/3 (solve)
+    assert mixer_forward_flops(Mixer('delta', 1, 4, 4), 100, chunk=64) == pytest.approx(96 + 1280 + 4096 / 3)
+    # two heads, d_k=4, d_v=8, C=6: 2 * (192 + 6 * 28 + 12)
+    assert mixer_forward_flops(Mixer('delta', 2, 4, 8), 100, chunk=6) == pytest.approx(744)
+    # Mamba: 6 FLOPs per state entry per inner channel; debug mamba: d_inner = 2 * 64, N = 8, 2 layers
+    cfg = debug_config('mamba')
+    assert layer_mixers(cfg)[0] == Mixer('mamba', 128, 8, 1)
+    assert mixer_forward_flops(Mixer('mamba', 128, 8, 1), 100) == 6 * 8 * 128
+    assert flops_per_token(cfg, 128)['attention'] == pytest.approx(3 * 2 * 6 * 8 * 128)
+
+
+def test_context_len_longer_than_the_sequence_is_capped():
+    from flame.models.flops import flops_per_token
+    cfg = debug_config('llama')
+    assert flops_per_token(cfg, 128, context_len=4096) == flops_per_token(cfg, 128)
+    assert flops_per_token(cfg, 128, context_len=128) == flops_per_token(cfg, 128)
+
+
+def test_tied_lm_head_is_counted_as_a_matmul():
+    """Debug llama (hidden 64, 2 layers, q 4x16, kv 2x16, MLP 172, vocab 256), parameters counted by hand:
+    tying the head removes it from the unique parameters but not from the per-token matmul work."""
+    from transformers import AutoConfig
+    from flame.models.flops import flops_per_token, param_counts
+    d, ffn, vocab = 64, 172, 256
+    layer = d * 64 + 2 * d * 32 + 64 * d + 3 * d * ffn + 2 * d  # q, k, v, o, gate/up/down, two norms
+    body = 2 * layer + d  # + the final norm
+    untied = param_counts(debug_config('llama'))
+    assert untied == {'total': vocab * d * 2 + body, 'embedding': vocab * d, 'matmul': body + vocab * d}
+    tied_cfg = AutoConfig.from_pretrained(os.path.join(DEBUG_DIR, 'llama.json'), tie_word_embeddings=True)
+    tied = param_counts(tied_cfg)
+    assert tied == {'total': vocab * d + body, 'embedding': vocab * d, 'matmul': body + vocab * d}
+    assert flops_per_token(tied_cfg, 64)['dense'] == 6 * (body + vocab * d)

@@ -31,6 +31,27 @@ def test_every_family_initializes_fully_and_deterministically(cpu_fallbacks, pat
         assert torch.equal(x, y), name  # garbage from to_empty would differ between the two
 
 
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: os.path.basename(p)[:-5])
+def test_meta_init_has_the_eager_constructions_statistics(cpu_fallbacks, path):
+    """The meta-device path against an independent expectation: the same model built eagerly by
+    transformers (its own post_init on real tensors). Constant parameters (norm scales, A_log,
+    D, ...) must be equal; random ones (64+ elements) must have the same mean and std, and the
+    input embedding the config's initializer_range."""
+    from transformers import AutoModelForCausalLM
+    ours = _init(path)
+    torch.manual_seed(1)
+    eager = dict(AutoModelForCausalLM.from_config(mb.load_model_config(path)).named_parameters())
+    for name, p in ours.named_parameters():
+        x, y = p.detach().double(), eager[name].detach().double()
+        if x.numel() < 2 or float(y.std()) == 0:
+            assert torch.equal(x, y), name
+        elif x.numel() >= 64:
+            assert float(x.std()) == pytest.approx(float(y.std()), rel=0.25), name
+            assert abs(float(x.mean() - y.mean())) <= 0.25 * float(y.std()), name
+    emb = ours.get_input_embeddings().weight.detach().double()
+    assert float(emb.std()) == pytest.approx(ours.config.initializer_range, rel=0.1)
+
+
 def test_samba_mamba_mixers_and_hgrn2_bounds_get_their_constructor_values(cpu_fallbacks):
     mix = [m for m in _init(os.path.join(ROOT, "configs/debug/samba.json")).modules() if type(m).__name__ == "Mamba"]
     assert mix

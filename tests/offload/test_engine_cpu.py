@@ -333,6 +333,22 @@ def test_host_add_chunked_conversion_is_exact(chunk):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk", [7, 64, 1 << 22])
+def test_host_add_norm_sums_every_chunk(dtype, chunk):
+    """add_(..., norm=True) (the CPU worker's last accumulation) returns the sum of squares of the
+    whole result, every chunk counted, against float64; without `norm` it returns None."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    acc = torch.randn(1001, generator=g)
+    staged = torch.randn(1001, generator=g).to(dtype)
+    want = acc.double() + staged.double()
+    hm = HostMath(chunk)
+    got = hm.add_(acc, staged, norm=True)
+    torch.testing.assert_close(acc.double(), want, rtol=1e-6, atol=1e-6)
+    assert got == pytest.approx(float(want.square().sum()), rel=1e-6)
+    assert hm.add_(acc, staged) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("chunk", [7, 1 << 22])
 def test_host_sq_norm_matches_float64(dtype, chunk):
     """The host grad norm (chunked fp32 square + cascade sum, chunks summed in float64) against a float64 reference, on a

@@ -28,9 +28,17 @@ def torchrun(nproc: int, target: list[str], timeout: int = 300) -> subprocess.Co
     if torch.cuda.is_available() and torch.cuda.device_count() < nproc:
         # on a GPU machine each rank takes its own device (NCCL refuses two ranks on one GPU)
         pytest.skip(f"{nproc} ranks need {nproc} CUDA devices, this machine has {torch.cuda.device_count()}")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-           "--master_port", str(free_port()), *target]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=PYTHONPATH)
+    if nproc == 1:
+        # one rank needs no launcher: the worker alone, with the environment torchrun would give it
+        # (saves the agent's interpreter and torch import, a few seconds per job on 2 cores); the
+        # multi-rank jobs keep going through torchrun
+        cmd = [sys.executable, *target]
+        env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", GROUP_RANK="0",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+               "--master_port", str(free_port()), *target]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
 
 

@@ -1,7 +1,9 @@
 """The trainer with the offload engine (blocks streamed from host, CPU AdamW) matches a plain
 run on CPU, and checkpoints move between offloaded and plain runs."""
 
+import json
 import os
+import shutil
 
 import pytest
 
@@ -16,22 +18,45 @@ COMMON = ["--lr_scheduler.total_steps", "6", "--checkpoint.interval", "3", "--op
           "--optimizer.eps", "1e-8"]
 
 
-def test_offloaded_run_matches_plain_and_checkpoints_cross_over(tmp_path):
-    plain, off, cross = (str(tmp_path / n) for n in ("plain", "off", "cross"))
+@pytest.fixture(scope="module")
+def six_steps(tmp_path_factory):
+    """A plain and an offloaded 6-step run (both save steps 3 and 6), shared by the tests below."""
+    d = tmp_path_factory.mktemp("six")
+    plain, off = str(d / "plain"), str(d / "off")
     run_job(1, plain, "--training.steps", "6", *COMMON)
     run_job(1, off, "--training.steps", "6", *COMMON, *OFFLOAD)
+    return plain, off
+
+
+def _stopped_at_step_3(run: str, dest: str) -> str:
+    """``run``'s dump folder as a launch that stopped after saving step 3 would have left it (the
+    step-3 checkpoint was written mid-run, with the same lr schedule and data position)."""
+    from flame.offload.calibration import CALIBRATED_PLAN
+
+    shutil.copytree(run, dest)
+    shutil.rmtree(os.path.join(dest, "checkpoint", "step-6"))
+    if os.path.exists(os.path.join(dest, CALIBRATED_PLAN)):  # written at step 5 by the calibration
+        os.remove(os.path.join(dest, CALIBRATED_PLAN))
+    rows = [r for r in metrics(dest) if r.get("step", 0) <= 3]
+    with open(os.path.join(dest, "metrics.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    assert os.listdir(os.path.join(dest, "checkpoint")) == ["step-3"] and len(losses(dest)) == 3
+    return dest
+
+
+def test_offloaded_run_matches_plain_and_checkpoints_cross_over(six_steps, tmp_path):
+    plain, off = six_steps
     lp, lo = losses(plain), losses(off)
-    assert lo == pytest.approx(lp, rel=1e-4, abs=1e-4), (lp, lo)
+    assert len(lp) == 6 and lo == pytest.approx(lp, rel=1e-4, abs=1e-4), (lp, lo)
     # offloaded run saves step 3; a plain run resumes it and continues the same sequence
-    run_job(1, cross, "--training.steps", "3", *COMMON, *OFFLOAD)
+    cross = _stopped_at_step_3(off, str(tmp_path / "cross"))
     run_job(1, cross, "--training.steps", "6", *COMMON, "--offload.enable", "off")
     assert losses(cross) == pytest.approx(lp, rel=1e-4, abs=1e-4)
 
 
-def test_plain_checkpoint_resumes_with_offload(tmp_path):
-    plain, cross = str(tmp_path / "plain"), str(tmp_path / "cross")
-    run_job(1, plain, "--training.steps", "6", *COMMON)
-    run_job(1, cross, "--training.steps", "3", *COMMON)
+def test_plain_checkpoint_resumes_with_offload(six_steps, tmp_path):
+    plain, _ = six_steps
+    cross = _stopped_at_step_3(plain, str(tmp_path / "cross"))
     run_job(1, cross, "--training.steps", "6", *COMMON, *OFFLOAD)
     assert losses(cross) == pytest.approx(losses(plain), rel=1e-4, abs=1e-4)
 

@@ -13,6 +13,7 @@ def test_two_rank_gradients_match_single_process(mode):
     proc = torchrun(2, [script, mode, TINY_LLAMA], timeout=240)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert proc.stdout.count("worst relative grad error") == 2
+    assert proc.stdout.count("clipped grads match torch's clip") == 2
 
 
 def test_hsdp_four_rank_gradients_match_single_process():
@@ -21,3 +22,4 @@ def test_hsdp_four_rank_gradients_match_single_process():
     proc = torchrun(4, [script, "hsdp", TINY_LLAMA], timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert proc.stdout.count("hsdp worst relative grad error") == 4
+    assert proc.stdout.count("hsdp clipped grads match torch's clip") == 4

@@ -1,5 +1,6 @@
 """Research probes: hand-computed values, and the softpick family's exact zeros."""
 
+import copy
 import os
 
 import pytest
@@ -30,13 +31,65 @@ def test_kurtosis_of_known_distributions():
     assert kurtosis(torch.tensor([-1.0, 1.0] * 1000)) == pytest.approx(1.0)
 
 
+_MODELS = {}
+
+
+def _tiny_transformer(impl):
+    """A fresh copy of one random tiny transformer per backend (built once per module)."""
+    key = str(impl)
+    if key not in _MODELS:
+        cfg = AutoConfig.from_pretrained(os.path.join(ROOT, "configs/debug/transformer_tiny.json"), attn_impl=impl)
+        torch.manual_seed(0)
+        _MODELS[key] = cfg, AutoModelForCausalLM.from_config(cfg)
+    cfg, model = _MODELS[key]
+    return cfg, copy.deepcopy(model)
+
+
 @pytest.mark.parametrize("impl, sparse", [("sdpa", False), ("softpick", True)])
 def test_run_probes_on_flame_transformer(impl, sparse):
-    cfg = AutoConfig.from_pretrained(os.path.join(ROOT, "configs/debug/transformer_tiny.json"), attn_impl=impl)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg)
-    values = run_probes(model, torch.randint(0, cfg.vocab_size, (1, 24)))
+    """Per-layer values equal those computed here from the model's own hidden states and attention
+    weights (layer i is the output of block i, not the embeddings)."""
+    cfg, model = _tiny_transformer(impl)
+    ids = torch.randint(0, cfg.vocab_size, (1, 24), generator=torch.Generator().manual_seed(1))
+    values = run_probes(model, ids)
     layers = cfg.num_hidden_layers
-    assert all(f"probes/kurtosis/layer_{i}" in values for i in range(layers))
+    with torch.no_grad():
+        out = model.eval()(input_ids=ids, output_hidden_states=True, output_attentions=True, use_cache=False)
+    assert len(out.hidden_states) == layers + 1 and len(out.attentions) == layers
+    causal = torch.ones(24, 24, dtype=torch.bool).tril()
+    sinks, zeros = [], []
+    for i in range(layers):
+        h = out.hidden_states[i + 1].double().flatten().numpy()
+        c = h - h.mean()
+        assert values[f"probes/kurtosis/layer_{i}"] == pytest.approx((c ** 4).mean() / (c ** 2).mean() ** 2, rel=1e-9)
+        assert values[f"probes/max_abs_hidden/layer_{i}"] == pytest.approx(abs(h).max(), rel=1e-6)
+        a = out.attentions[i][0].double()  # [H, T, T]
+        sinks.append(sum(float(a[hd, :, 0].mean()) > 0.3 for hd in range(a.shape[0])) / a.shape[0])
+        zeros.append(int(((a == 0) & causal).sum()) / (int(causal.sum()) * a.shape[0]))
+        assert values[f"probes/sink_rate/layer_{i}"] == pytest.approx(sinks[-1])
+        assert values[f"probes/attention_sparsity/layer_{i}"] == pytest.approx(zeros[-1])
+    assert values["probes/sink_rate"] == pytest.approx(sum(sinks) / layers)
+    assert values["probes/attention_sparsity"] == pytest.approx(sum(zeros) / layers)
+    assert values["probes/max_abs_hidden"] == pytest.approx(max(values[f"probes/max_abs_hidden/layer_{i}"]
+                                                                for i in range(layers)))
     assert (values["probes/attention_sparsity"] > 0.05) == sparse
-    assert 0.0 <= values["probes/sink_rate"] <= 1.0
+
+
+def test_run_probes_on_a_known_attention_pattern():
+    """Zero query projections make every score 0. Layer 0 (softmax) attends uniformly: query i gives
+    1/(i+1) to token 0, a mean of H_T / T over T queries, and no weight is zero; layer 1 (softpick)
+    gives exactly zero weights everywhere. The model-wide values are the means over the layers."""
+    cfg, model = _tiny_transformer(["sdpa", "softpick"])
+    with torch.no_grad():
+        for block in model.model.layers:
+            block.attn.q_proj.weight.zero_()
+    T = 24
+    ids = torch.randint(0, cfg.vocab_size, (2, T), generator=torch.Generator().manual_seed(2))
+    first = sum(1 / (i + 1) for i in range(T)) / T  # 0.157
+    below, above = run_probes(model, ids, sink_threshold=first - 0.01), run_probes(model, ids, first + 0.01)
+    assert below["probes/sink_rate/layer_0"] == 1.0 and above["probes/sink_rate/layer_0"] == 0.0
+    assert below["probes/sink_rate/layer_1"] == 0.0
+    assert below["probes/sink_rate"] == 0.5 and above["probes/sink_rate"] == 0.0
+    assert below["probes/attention_sparsity/layer_0"] == 0.0
+    assert below["probes/attention_sparsity/layer_1"] == 1.0
+    assert below["probes/attention_sparsity"] == 0.5

@@ -24,6 +24,7 @@ def test_tp_gradients_match_single_process(config):
     proc = torchrun(2, [script, "tp", config], timeout=240)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert proc.stdout.count("tp worst relative grad error") == 2
+    assert proc.stdout.count("tp clipped grads match torch's clip") == 2
 
 
 def test_tp_training_repeats_the_single_process_losses(tmp_path):

@@ -80,6 +80,26 @@ for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
         assert isinstance(p, DTensor), f"{name} is not tensor-parallel"
 print(f"rank {rank} {mode} worst relative grad error {worst:.2e}", flush=True)
 assert worst < 1e-5, worst
+
+# flame's clip over the parallel grads (DTensors; TP mixes DTensor and plain layouts) equals torch's
+# clip of the reference grads: the same total norm, and the same clipped gradients
+from flame.components.optimizer import clip_grad_norm_
+
+unclipped = [(p.grad.clone(), q.grad.clone()) for p, q in zip(model.parameters(), ref.parameters())]
+for norm_type in (2.0, float("inf")):
+    for (p, q), (pg, qg) in zip(zip(model.parameters(), ref.parameters()), unclipped):
+        p.grad.copy_(pg)
+        q.grad.copy_(qg)
+    max_norm = 0.25 * float(torch.nn.utils.get_total_norm([q.grad for q in ref.parameters()], norm_type))
+    want = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm, norm_type)
+    got = clip_grad_norm_(model.parameters(), max_norm, norm_type)
+    assert abs(float(got) - float(want)) <= 1e-5 * float(want), (norm_type, float(got), float(want))
+    clip_worst = 0.0
+    for p, q in zip(model.parameters(), ref.parameters()):
+        grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        clip_worst = max(clip_worst, ((grad - q.grad).norm() / q.grad.norm().clamp(min=1e-12)).item())
+    assert clip_worst < 1e-5, (norm_type, clip_worst)
+print(f"rank {rank} {mode} clipped grads match torch's clip", flush=True)
 dist.barrier()
 dist.destroy_process_group()
 # The check is done. Interpreter teardown with torch's composable DDP on gloo sometimes aborts in a
