@@ -4,42 +4,17 @@ import math
 import pytest
 import torch
 
+from attention_testlib import rowwise_attention
 from flame.errors import ConfigError
 from flame.ops.attention import log_position_scale, naive_attention, positions_from_cu_seqlens
 
 
-def explicit(q, k, v, mode, eps=1e-6, q_offset=None):
-    """Row-by-row float64 definition (no max shift: only for moderate logits)."""
-    B, tq, hq, d = q.shape
-    tk, hk = k.shape[1], k.shape[2]
-    q_offset = tk - tq if q_offset is None else q_offset
-    o = torch.zeros(B, tq, hq, d, dtype=torch.float64)
-    for b in range(B):
-        for h in range(hq):
-            kh = h // (hq // hk)
-            for i in range(tq):
-                n = i + q_offset + 1
-                s = (k[b, :n, kh].double() @ q[b, i, h].double()) / math.sqrt(d)
-                if mode == "softmax":
-                    w = torch.softmax(s, 0)
-                elif mode == "rectified":
-                    keep = s >= 0
-                    w = torch.zeros_like(s)
-                    if keep.any():
-                        w[keep] = torch.softmax(s[keep], 0)
-                else:
-                    e = torch.expm1(s)
-                    w = torch.relu(e) / (e.abs().sum() + eps)
-                o[b, i, h] = w @ v[b, :n, kh].double()
-    return o
-
-
 @pytest.mark.parametrize("mode", ["softmax", "softpick", "rectified"])
-def test_matches_explicit(mode):
+def test_matches_rowwise(mode):
     torch.manual_seed(0)
     q, k, v = torch.randn(2, 9, 4, 8), torch.randn(2, 9, 2, 8), torch.randn(2, 9, 2, 8)
     o, w = naive_attention(q.double(), k.double(), v.double(), mode)
-    torch.testing.assert_close(o, explicit(q, k, v, mode), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(o, rowwise_attention(q, k, v, mode), rtol=1e-10, atol=1e-12)
     assert w.shape == (2, 4, 9, 9)
     assert torch.all(w.triu(1) == 0)  # causal
     if mode == "softmax":
@@ -55,7 +30,7 @@ def test_decode_rows_equal_full(mode):
     full, _ = naive_attention(q, k, v, mode)
     last, _ = naive_attention(q[:, -3:], k, v, mode)
     torch.testing.assert_close(last, full[:, -3:])
-    torch.testing.assert_close(last, explicit(q[:, -3:], k, v, mode))
+    torch.testing.assert_close(last, rowwise_attention(q[:, -3:], k, v, mode))
 
 
 @pytest.mark.parametrize("mode", ["softmax", "softpick", "rectified"])
