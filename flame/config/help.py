@@ -20,6 +20,7 @@ from dataclasses import fields, is_dataclass
 from typing import Literal
 
 from flame.config import job_config as flame_job_config
+from flame.config.manager import _ALIASES
 
 # torchtitan options flame never reads (its trainer, model building and data loading are its
 # own) or rejects when set (pipeline/context/expert parallelism, memory_budget AC)
@@ -41,21 +42,15 @@ HIDDEN = {
 HIDDEN_PREFIXES = ("training.dataloader.", "validation.dataloader.", "parallelism.pipeline_parallel_",
                    "parallelism.context_parallel_", "parallelism.expert_")
 
-# one name per setting: the spelling shown -> the other spelling, accepted but not listed
-# (flame's spellings, those of the bundled job file, are the ones shown)
-SHOWN_ALIASES = {
-    "training.batch_size": "training.local_batch_size",
-    "lr_scheduler.lr_min": "lr_scheduler.min_lr_factor",
-    "training.compile": "compile.enable",
-    "training.seed": "debug.seed",
-    "training.deterministic": "debug.deterministic",
-    "training.data_parallel_replicate_degree": "parallelism.data_parallel_replicate_degree",
-    "training.data_parallel_shard_degree": "parallelism.data_parallel_shard_degree",
-    "training.tensor_parallel_degree": "parallelism.tensor_parallel_degree",
-    "checkpoint.enable_checkpoint": "checkpoint.enable",
-    "checkpoint.last_save_model_only": "checkpoint.last_save_model_weights_only",
-    "validation.interval": "validation.freq",
-}
+# one name per setting: the spelling shown -> the other spelling, accepted but not listed. Derived from
+# manager's aliases (flame spelling -> torchtitan field): flame's spelling is shown, except for the aliases
+# below, which flame's JobConfig documents as "Alias of" the torchtitan field (that field is shown);
+# aliases of hidden options are not listed at all.
+_SHOWN_AS_TORCHTITAN = {"checkpoint.last_save_model_weights_only"}
+SHOWN_ALIASES = dict(
+    (field, alias) if alias in _SHOWN_AS_TORCHTITAN else (alias, field)
+    for alias, field in _ALIASES.items() if alias not in HIDDEN
+)
 # torchtitan fields without a docstring of their own
 EXTRA_DOCS = {
     "optimizer.beta1": "Decay of the first-moment (mean) average of Adam/AdamW.",
