@@ -220,6 +220,16 @@ def _is_text(t: Any) -> bool:
     return pa.types.is_string(t) or pa.types.is_large_string(t)
 
 
+def _tokenize_decoded(decoded: list[tuple[str | None, bool]], tokenize: Tokenize) -> list[tuple[Any, bool]]:
+    """Per row (its text, or None for a skipped row; whether it was bad) -> (token ids or a
+    :class:`LongText`, or None; whether it was bad): the kept texts are tokenized in one call."""
+    keep = [k for k, (text, _) in enumerate(decoded) if text is not None]
+    docs: list[Any] = [None] * len(decoded)
+    for k, d in zip(keep, tokenize_texts([decoded[k][0] for k in keep], tokenize)):
+        docs[k] = d
+    return [(d, bad) for d, (_, bad) in zip(docs, decoded)]
+
+
 class _ArrowColumn:
     """Rows of one column of a (memory-mapped) Arrow table: sizes from the offsets, raw bytes per row,
     without converting whole batches to Python (which fails on invalid UTF-8 and copies every row)."""
@@ -339,16 +349,8 @@ class MapSource:
         if self.reader is not None:
             return [(self.reader.doc(self._row(i)), False) for i in indices]
         if self._text:
-            texts, bad = [], []
-            for i in np.asarray(indices).tolist():
-                text, b = self.bad_rows.decode(self._column().raw(int(i)), int(i))
-                texts.append(text)
-                bad.append(b)
-            keep = [k for k, t in enumerate(texts) if t is not None]
-            docs: list[Any] = [None] * len(texts)
-            for k, d in zip(keep, tokenize_texts([texts[k] for k in keep], self.tokenize)):
-                docs[k] = d
-            return list(zip(docs, bad))
+            decoded = [self.bad_rows.decode(self._column().raw(int(i)), int(i)) for i in np.asarray(indices).tolist()]
+            return _tokenize_decoded(decoded, self.tokenize)
         # Read in sorted order (Arrow is faster on ascending indices), then restore the request order.
         order = np.argsort(indices, kind="stable")
         rows = self.dataset[[int(i) for i in np.asarray(indices)[order]]][self.column]
@@ -405,19 +407,9 @@ class StreamSource:
     def _convert(self, items: list[Any], rows: list[int]) -> list[tuple[Any, bool]]:
         if self.token_ids:
             return [(np.asarray(x if x is not None else [], dtype=np.int64), False) for x in items]
-        texts, bad = [], []
-        for x, row in zip(items, rows):
-            if isinstance(x, (bytes, type(None))):
-                text, b = self.bad_rows.decode(x, row)
-            else:
-                text, b = str(x), False
-            texts.append(text)
-            bad.append(b)
-        keep = [k for k, t in enumerate(texts) if t is not None]
-        docs: list[Any] = [None] * len(texts)
-        for k, d in zip(keep, tokenize_texts([texts[k] for k in keep], self.tokenize)):
-            docs[k] = d
-        return list(zip(docs, bad))
+        decoded = [self.bad_rows.decode(x, row) if isinstance(x, (bytes, type(None))) else (str(x), False)
+                   for x, row in zip(items, rows)]
+        return _tokenize_decoded(decoded, self.tokenize)
 
 
 def open_source(spec: SourceSpec, tokenizer: Any, text_column: str | None, streaming: bool,
