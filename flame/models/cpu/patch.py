@@ -93,14 +93,7 @@ def patch_function_everywhere(home_module: str, name: str, cpu_impl: Callable) -
     """Replace ``home_module.name`` and every alias of the same object in loaded ``fla.*`` modules
     (layers do ``from fla.ops.gla import chunk_gla``, so the name is bound in many namespaces) and in
     dict registries such as ``ACT2FN``. Returns the number of bindings replaced."""
-    home = sys.modules.get(home_module)
-    if home is None:
-        __import__(home_module)
-        home = sys.modules[home_module]
-    current = getattr(home, name)
-    original = getattr(current, MARK, current)
-    wrapper = current if hasattr(current, MARK) else make_dispatcher(original, cpu_impl)
-    return _rebind_everywhere(lambda v: wrapper if v is original else v)
+    return sum(patch_functions_everywhere([(home_module, name, cpu_impl)]).values())
 
 
 def patch_functions_everywhere(patches) -> dict:
