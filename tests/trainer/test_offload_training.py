@@ -31,7 +31,7 @@ def six_steps(tmp_path_factory):
 def _stopped_at_step_3(run: str, dest: str) -> str:
     """``run``'s dump folder as a launch that stopped after saving step 3 would have left it (the
     step-3 checkpoint was written mid-run, with the same lr schedule and data position)."""
-    from flame.offload.calibration import CALIBRATED_PLAN
+    from flame.offload.planner.refit import CALIBRATED_PLAN
 
     shutil.copytree(run, dest)
     shutil.rmtree(os.path.join(dest, "checkpoint", "step-6"))
