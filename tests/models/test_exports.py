@@ -91,6 +91,7 @@ LOADER = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.slow
 def test_remote_code_and_fla_exports_load_without_flame(tmp_path):
     """softpick + qk-norm transformer: its code in the folder, loaded where flame and FLA cannot be
     imported, logits equal flame's; a GLA export loads with only ``import fla``."""
@@ -142,6 +143,7 @@ def _readme_files(folder):
     return written
 
 
+@pytest.mark.slow
 def test_custom_model_from_a_temporary_package(tmp_path):
     """custom_models/README.md's example, in a temporary folder, trained 2 steps from there; its
     export loads here, where its package cannot be imported."""

@@ -7,6 +7,9 @@ import shutil
 
 import pytest
 
+# trainer-level offload runs: minutes on 2 cores; `python -m pytest -m slow` runs them
+pytestmark = pytest.mark.slow
+
 from tests.trainer.helpers import ROOT, losses, metrics, run_job
 
 PROFILE = os.path.join(ROOT, "flame/offload/profiles/h100_80gb_measured.json")
@@ -61,7 +64,6 @@ def test_plain_checkpoint_resumes_with_offload(six_steps, tmp_path):
     assert losses(cross) == pytest.approx(losses(plain), rel=1e-4, abs=1e-4)
 
 
-@pytest.mark.slow
 def test_two_rank_offloaded_run_matches_two_rank_plain_and_resumes(tmp_path):
     """2 ranks (gloo): the engine sharded over the data-parallel ranks gives the FSDP2 run's
     losses; its sharded checkpoint (full tensors under plain names) resumes in a plain run."""

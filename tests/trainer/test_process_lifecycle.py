@@ -111,6 +111,7 @@ def _processes_mentioning(text):
     return found
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signals and /proc are Linux")
 def test_launcher_lock_side_by_side_and_kill9(tmp_path):
     a, c = str(tmp_path / "a"), str(tmp_path / "c")
