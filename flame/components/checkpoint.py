@@ -357,6 +357,11 @@ class FlameCheckpointManager(CheckpointManager):
             self._warn(f"checkpoint: damaged: {problem}; falling back to the previous complete checkpoint")
             skipped.append(dataclasses.replace(entry, kind="damaged", reason=f"damaged: {problem}"))
         summary = ", ".join(f"step-{e.step} ({e.reason})" for e in skipped)
+        if all(e.kind == "incomplete" for e in skipped):
+            # only saves cut short before any completed: nothing complete was ever written, so starting
+            # over loses nothing (refusing would make every relaunch of a run killed in its first save fail)
+            self._warn(f"checkpoint: no complete checkpoint in {self.folder} ({summary}); training from step 1")
+            return False
         if self.allow_fresh_start:
             self._warn(f"checkpoint: no usable checkpoint in {self.folder} ({summary}); training from step 1 "
                            "(checkpoint.allow_fresh_start)")

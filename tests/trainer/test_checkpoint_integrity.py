@@ -191,6 +191,19 @@ def test_no_usable_checkpoint_is_an_error_unless_a_fresh_start_is_asked_for(tmp_
     assert "training from step 1" in warnings_of(caplog)[-1]
 
 
+def test_only_an_unfinished_first_save_starts_over_with_one_line(tmp_path, world1, caplog):
+    """A run killed during its first save has nothing complete to lose: the relaunch trains from step 1
+    and says so (found by the chaos script: refusing made every relaunch exit 2)."""
+    mgr, model = manager(tmp_path)
+    save_steps(mgr, model, [1])
+    mgr.close()
+    kill_mid_save(tmp_path / "checkpoint" / "step-1")
+    mgr, model = manager(tmp_path)
+    assert mgr.load(-1) is False and model.weight.abs().sum().item() == 0
+    mgr.close()
+    assert "no complete checkpoint" in warnings_of(caplog)[-1] and "training from step 1" in warnings_of(caplog)[-1]
+
+
 def test_checkpoints_without_a_record_still_load(tmp_path, world1, caplog):
     mgr, model = manager(tmp_path)
     save_steps(mgr, model, [1, 2])
