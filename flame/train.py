@@ -98,6 +98,11 @@ def _loss_memory_bytes(cfg, device: torch.device) -> int | None:
     return int(budget * 2**30) if budget else torch.cuda.get_device_properties(device).total_memory
 
 
+def _compiled_loss(cfg, device: torch.device) -> bool:
+    """The plain loss runs through torch.compile (on GPUs, with ``compile.enable``)."""
+    return cfg.compile.enable and device.type == "cuda"
+
+
 def sdpa_priority(device: torch.device):
     """Context that orders torch SDPA backends for dense attention: cuDNN first on CUDA (faster than
     the flash backend on Hopper; torchtitan does the same). ``FLAME_SDPA_BACKENDS`` overrides, e.g.
@@ -167,8 +172,9 @@ class Trainer(Stateful):
                                          if t.varlen else (t.seq_len, "training.seq_len")))
         self.loss_auto = t.loss_chunk_tokens == -1
         if self.loss_auto:  # chosen before the offload planner, which measures the loss it will run
-            t.loss_chunk_tokens, why = choose_loss_chunk_tokens(model, t.local_batch_size * t.seq_len, pd.tp_enabled,
-                                                                _loss_memory_bytes(cfg, self.device))
+            t.loss_chunk_tokens, why = choose_loss_chunk_tokens(
+                model, t.local_batch_size * t.seq_len, pd.tp_enabled, _loss_memory_bytes(cfg, self.device),
+                compiled_loss=_compiled_loss(cfg, self.device))
             logger.info(why)
         self.n_params = model_build.count_params(model)
         logger.info(
@@ -203,7 +209,7 @@ class Trainer(Stateful):
             self.optimizers = build_optimizers([model], cfg.optimizer, self.device)
         self.lr_schedulers = build_lr_schedulers(self.optimizers, cfg.lr_scheduler, t.steps)
         # compiled loss with compiled blocks on GPU (fuses the float32 upcast of the logits)
-        self.loss_fn = compiled_cross_entropy_sum if cfg.compile.enable and self.device.type == "cuda" else cross_entropy_sum
+        self.loss_fn = compiled_cross_entropy_sum if _compiled_loss(cfg, self.device) else cross_entropy_sum
         self.step = 0
         self.ntokens_seen = 0
         self.skipped_steps = 0

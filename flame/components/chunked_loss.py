@@ -119,11 +119,14 @@ def _head_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 # training.loss_chunk_tokens = -1 (auto): the chunked loss when the float32 logits of one micro-batch
-# would exceed this many bytes (with the log-softmax eager cross-entropy keeps, about twice that), or,
+# would exceed this many bytes, or,
 # where the device's memory is known, this share of it: below that the compiled plain loss is faster
 # than the chunked one and fits
 AUTO_CHUNK_ABOVE_BYTES = 2**30
 AUTO_CHUNK_MEMORY_SHARE = 1 / 8
+# the eager (uncompiled) plain loss holds about this many float32-logit-sized tensors at once: the
+# bf16 logits, their float32 upcast and the float32 log-softmax; the compiled loss fuses them
+EAGER_LOSS_COPIES = 3
 # and chunks whose float32 logits take about this many bytes: 4096 tokens at a 32K vocabulary, 1024 at
 # 128K (the chunked loss is as fast as the plain one at these sizes)
 AUTO_CHUNK_BYTES = 2**29
@@ -137,10 +140,11 @@ def auto_chunk_tokens(vocab: int) -> int:
 
 
 def choose_loss_chunk_tokens(model: nn.Module, tokens: int, tensor_parallel: bool,
-                             memory_bytes: int | None = None) -> tuple[int, str]:
+                             memory_bytes: int | None = None, compiled_loss: bool = False) -> tuple[int, str]:
     """``training.loss_chunk_tokens = -1``: ``(chunk tokens or 0 for the plain loss, the log line)``
     for a model whose micro-batches hold ``tokens`` tokens (checked before the model is materialized).
-    ``memory_bytes``: the device memory the run may use (GPU size or offload budget), when known."""
+    ``memory_bytes``: the device memory the run may use (GPU size or offload budget), when known;
+    ``compiled_loss``: the plain loss would run compiled (fused), else eagerly (`EAGER_LOSS_COPIES`)."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if type(head) is not nn.Linear:
         return 0, f"loss: plain logits + cross-entropy (the output layer is {type(head).__name__}, not a plain nn.Linear)"
@@ -150,12 +154,14 @@ def choose_loss_chunk_tokens(model: nn.Module, tokens: int, tensor_parallel: boo
     gib = tokens * vocab * 4 / 2**30
     limit = AUTO_CHUNK_ABOVE_BYTES if not memory_bytes else max(AUTO_CHUNK_ABOVE_BYTES,
                                                                  int(memory_bytes * AUTO_CHUNK_MEMORY_SHARE))
-    if tokens * vocab * 4 <= limit:
-        return 0, (f"loss: plain logits + cross-entropy (float32 logits of {gib:.2f} GiB per micro-batch, "
-                   f"at most {limit / 2**30:.1f} GiB)")
+    copies = 1 if compiled_loss or not memory_bytes else EAGER_LOSS_COPIES
+    if copies * tokens * vocab * 4 <= limit:
+        return 0, (f"loss: plain logits + cross-entropy (float32 logits of {gib:.2f} GiB per micro-batch"
+                   f"{'' if copies == 1 else f', x{copies} uncompiled'}, at most {limit / 2**30:.1f} GiB)")
     chunk = auto_chunk_tokens(vocab)
-    return chunk, (f"loss: chunked head+loss, {chunk}-token chunks (logits of {gib:.1f} GiB would not be "
-                   "materialized; training.loss_chunk_tokens=0 for the plain loss)")
+    return chunk, (f"loss: chunked head+loss, {chunk}-token chunks (logits of {gib:.1f} GiB"
+                   f"{'' if copies == 1 else f', x{copies} uncompiled'} would not be materialized; "
+                   "training.loss_chunk_tokens=0 for the plain loss)")
 
 
 def uninstall_chunked_head(head: nn.Linear) -> None:

@@ -72,9 +72,9 @@ class Training:
     time, so the [tokens, vocab] logits are never held whole (saves GPU memory with large
     vocabularies; same result). Needs a plain Linear output layer whose result the model returns
     unchanged, and no tensor parallelism. 0: ordinary logits + cross-entropy. -1 (default): flame
-    chooses, and logs the choice: chunked when the float32 logits of one micro-batch would exceed an
-    eighth of the GPU (or of offload.gpu_memory_gib; 1 GiB on CPU, never less than 1 GiB) and the
-    model allows it, in chunks of about 512 MiB of logits (4096 tokens at a 32K
+    chooses, and logs the choice: chunked when the float32 logits of one micro-batch (three times
+    that without compile, which keeps three logit-sized tensors) would exceed an eighth of the GPU (or
+    of offload.gpu_memory_gib; 1 GiB on CPU, never less than 1 GiB) and the model allows it, in chunks of about 512 MiB of logits (4096 tokens at a 32K
     vocabulary, 1024 at 128K); otherwise plain."""
 
     skip_nan_inf: bool = False

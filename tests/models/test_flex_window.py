@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-from flame.models.attention.dispatch import flex_mask_mod
+from flame.models.attention.dispatch import document_block_mask, flex_mask_mod
 from flame.models.cpu import modules as M
 
 CASES = [(None, None), (None, [0, 13, 29, 40]), (5, None), (5, [0, 13, 29, 40]), (0, [0, 40])]
@@ -33,6 +33,37 @@ def test_flex_mask_matches_explicit_mask_cpu(left, cu):
     bm = create_block_mask(flex_mask_mod(L, cut, left, "cpu"), None, None, L, L, device="cpu")
     o = flex_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=bm, enable_gqa=True)
     torch.testing.assert_close(o.transpose(1, 2), _reference(q, k, v, left, cu), atol=1e-5, rtol=1e-5)
+
+
+def _block_map(num, idx, n_kv):
+    out = torch.zeros(num.shape[-1], n_kv, dtype=torch.bool)
+    for i, count in enumerate(num[0, 0].tolist()):
+        out[i, idx[0, 0, i, :count].long()] = True
+    return out
+
+
+@pytest.mark.parametrize("L", [300, 1537])
+def test_document_block_mask_matches_create_block_mask(L):
+    """The mask built from the documents' block boundaries has the blocks (partial and full) that
+    create_block_mask finds by evaluating every position, and the same attention output."""
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    for trial in range(3):
+        cuts = sorted(set(torch.randint(1, L, (int(torch.randint(0, 9, (1,), generator=g)),), generator=g).tolist()))
+        if trial == 0:
+            cuts = [128, 256] if L > 256 else []  # documents on block boundaries: full blocks
+        cu = torch.tensor([0, *cuts, L], dtype=torch.int32)
+        got = document_block_mask(L, cu, "cpu")
+        ref = create_block_mask(flex_mask_mod(L, cu, None, "cpu"), None, None, L, L, device="cpu")
+        nb = -(-L // 128)
+        for part, full in ((("kv_num_blocks", "kv_indices"), ("full_kv_num_blocks", "full_kv_indices")),
+                           (("q_num_blocks", "q_indices"), ("full_q_num_blocks", "full_q_indices"))):
+            maps = [[_block_map(getattr(bm, a), getattr(bm, b), nb) for a, b in (part, full)] for bm in (got, ref)]
+            assert torch.equal(maps[0][0], maps[1][0]) and torch.equal(maps[0][1], maps[1][1]), (L, cuts, part)
+        if L < 512:
+            q, k, v = (torch.randn(1, 2, L, 8, generator=g, dtype=torch.float64) for _ in range(3))
+            o = flex_attention(q, k, v, block_mask=got)
+            want = _reference(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, cu.tolist())
+            torch.testing.assert_close(o.transpose(1, 2), want, atol=1e-10, rtol=1e-10)
 
 
 def test_standin_rejects_non_causal_on_gpu_path():

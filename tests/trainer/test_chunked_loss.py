@@ -225,9 +225,13 @@ def test_auto_loss_choice():
     at = chunked_loss.AUTO_CHUNK_ABOVE_BYTES // (4 * 2048)  # tokens whose logits are exactly the threshold
     assert choose_loss_chunk_tokens(_Model(head(2048)), at, False)[0] == 0
     assert choose_loss_chunk_tokens(_Model(head(2048)), at + 1, False)[0] > 0
-    # on an 80 GiB GPU the paper's 7.8 GiB of logits stay plain (an eighth of the device is allowed);
+    # on an 80 GiB GPU the paper's 7.8 GiB of logits stay plain under the compiled loss (an eighth of
+    # the device is allowed), and are chunked under the eager loss (which holds about three copies);
     # a 16 GiB budget chunks them
-    assert choose_loss_chunk_tokens(_Model(head(32000)), 16 * 4096, False, 80 * 2**30)[0] == 0
+    assert choose_loss_chunk_tokens(_Model(head(32000)), 16 * 4096, False, 80 * 2**30, compiled_loss=True)[0] == 0
+    chunk, why = choose_loss_chunk_tokens(_Model(head(32000)), 16 * 4096, False, 80 * 2**30)
+    assert chunk == 4096 and "x3 uncompiled" in why, why
+    assert choose_loss_chunk_tokens(_Model(head(32000)), 4 * 4096, False, 80 * 2**30)[0] == 0
     assert choose_loss_chunk_tokens(_Model(head(32000)), 16 * 4096, False, 16 * 2**30)[0] == 4096
     assert choose_loss_chunk_tokens(_Model(head(2048)), at + 1, False, 2**30)[0] > 0  # never above 1 GiB
     chunk, why = choose_loss_chunk_tokens(_Model(head(32000)), 16 * 4096, True)
