@@ -19,6 +19,7 @@ from flame.models.attention import FlameAttention, HeadRMSNorm, rotary_cos_sin
 from flame.models.attention.dispatch import reads_max_seqlen, uses_flex_varlen, varlen_block_mask
 from flame.models.transformer.configuration import TransformerConfig
 from flame.ops.attention import positions_from_cu_seqlens
+from flame.ops.swiglu import swiglu_linear
 
 
 class RMSNorm(nn.Module):
@@ -58,10 +59,12 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_proj(x), self.up_proj(x)
         if self.fuse_swiglu and x.is_cuda:
-            from fla.modules.activations import swiglu_linear
+            from fla.modules.activations import swiglu_linear as fla_swiglu_linear
 
-            return swiglu_linear(gate, up, self.down_proj.weight, self.down_proj.bias)
-        return self.down_proj(F.silu(gate) * up)
+            return fla_swiglu_linear(gate, up, self.down_proj.weight, self.down_proj.bias)
+        if type(self.down_proj) is nn.Linear and self.down_proj.bias is None:
+            return swiglu_linear(gate, up, self.down_proj.weight)
+        return self.down_proj(F.silu(gate) * up)  # a wrapped projection (LoRA, hooks) keeps its own call
 
 
 class TransformerBlock(GradientCheckpointingLayer):
