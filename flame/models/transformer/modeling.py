@@ -186,6 +186,8 @@ class TransformerModel(TransformerPreTrainedModel):
     ) -> BaseModelOutputWithPast:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        if past_key_values is None:  # transformers >= 5.24 passes the KV cache as `cache`
+            past_key_values = kwargs.get("cache")
         if inputs_embeds is None:
             inputs_embeds = self.embeddings(input_ids)
         B, T = inputs_embeds.shape[:2]
@@ -270,7 +272,8 @@ class TransformerForCausalLM(TransformerPreTrainedModel, GenerationMixin):
     ) -> CausalLMOutputWithPast:
         out = self.model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cu_seqlens=cu_seqlens,
-            past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
+            past_key_values=past_key_values if past_key_values is not None else kwargs.get("cache"),
+            inputs_embeds=inputs_embeds, use_cache=use_cache,
             output_attentions=output_attentions, output_hidden_states=output_hidden_states,
             max_seqlen=kwargs.get("max_seqlen"),
         )
