@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install the carried wheels, run the GPU tests and acceptance rows, copy results to $OUT.
-# usage: bash benchmarks/gpu_session.sh TAG "PYTEST_ARGS" "ACCEPTANCE_ARGS"
+# usage: FLAME_COMMIT=<sha> bash benchmarks/gpu_session.sh TAG "PYTEST_ARGS" "ACCEPTANCE_ARGS"
+#   FLAME_COMMIT: the commit of the tree sent (the device copy's .git can be stale), recorded in the JSON
 #   TAG names the result files; an empty PYTEST_ARGS or ACCEPTANCE_ARGS skips that part.
 set -uo pipefail
 tag=$1; tests=${2:-}; accept=${3:-}
