@@ -3,9 +3,12 @@
 Importing ``flame`` registers every model family it can train with transformers' Auto
 classes: FLA's (``import fla``), flame's own transformer and the ``custom_models`` package,
 so exported checkpoints load with ``AutoModelForCausalLM.from_pretrained`` after ``import flame``.
-It also installs flame's CPU dispatchers into FLA (``flame.models.cpu``): calls on CPU tensors take
-flame's torch code, calls on any other device reach FLA's original function unchanged, so FLA
-models train and ``generate`` on CPU with no further call.
+It changes nothing else: flame's CPU implementations of FLA's Triton ops
+(``flame.models.cpu.enable_cpu_fallbacks``) and the Triton autotune limit
+(``FLAME_AUTOTUNE_MAX_CONFIGS``) are applied by the code paths that need them: the trainer's
+setup, ``flame.generate`` (``load`` and ``generate`` on CPU), the HF-to-DCP conversion and the
+offload planner's measurements. Plain ``transformers`` code that runs an FLA model on CPU calls
+``flame.models.cpu.enable_cpu_fallbacks(model)`` once.
 """
 
 import importlib
@@ -16,10 +19,6 @@ __version__ = "0.1.0"
 def _register_model_families() -> None:
     import fla  # noqa: F401  (registers FLA's configs and models)
 
-    # FLA's softmax-attention layer (samba and other hybrids) needs flash-attn: stand-ins when absent
-    from flame.models.cpu import enable_cpu_fallbacks
-
-    enable_cpu_fallbacks()  # also installs the flash-attn stand-ins
     # flame's transformer replaces FLA's "transformer" entry (which needs flash_attn)
     for name in ("flame.models.transformer", "custom_models"):
         try:
@@ -30,7 +29,3 @@ def _register_model_families() -> None:
 
 
 _register_model_families()
-
-from flame.utils.autotune import limit_autotune_from_env  # noqa: E402
-
-limit_autotune_from_env()

@@ -79,6 +79,8 @@ def load(path: str, step: int | None = None, dtype: str = 'float32'):
     if not os.path.isdir(path):
         raise ConfigError(f"--path {path!r} is not a folder")
     register_families()
+    from flame.models.cpu import enable_cpu_fallbacks
+    enable_cpu_fallbacks()  # before the constructors: FLA layers bind some functions at construction
     is_dump = os.path.isfile(os.path.join(path, 'job_config.json')) or os.path.isdir(os.path.join(path, 'checkpoint'))
     if is_dump and (_steps(path) or step is not None):
         model, tokenizer, what = _from_checkpoint(path, step, dtype)
@@ -115,6 +117,9 @@ def generate(model, tokenizer, prompt: str, max_new_tokens: int = 64, temperatur
         raise ConfigError(f"--device {device!r} is not cpu or cuda")
     if device.startswith('cuda') and not torch.cuda.is_available():
         raise ConfigError(f"--device {device!r}: no CUDA device here")
+    if device == 'cpu':
+        from flame.models.cpu import enable_cpu_fallbacks
+        enable_cpu_fallbacks(model)  # FLA's ops are Triton-only; a model built before also needs its instances
     model = model.to(device).eval()
     ids = tokenizer(prompt, return_tensors='pt').input_ids.to(device)
     if ids.shape[1] == 0:
@@ -130,6 +135,8 @@ def generate(model, tokenizer, prompt: str, max_new_tokens: int = 64, temperatur
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        from flame.utils.autotune import limit_autotune_from_env
+        limit_autotune_from_env()
         model, tokenizer, what = load(args.path, args.step, args.dtype)
         text = generate(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_p,
                         args.seed, args.device)

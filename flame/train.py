@@ -37,7 +37,9 @@ from flame.distributed.parallelize import parallelize
 from flame.distributed.precision import autocast_context
 from flame.errors import ConfigError, NonFiniteError
 from flame.models import build as model_build
+from flame.models.cpu import prepare_model_build
 from flame.utils import outcome, run_lock
+from flame.utils.autotune import limit_autotune_from_env
 from flame.utils.process_guard import StopRequest, die_with_launcher
 
 
@@ -136,6 +138,7 @@ class Trainer(Stateful):
         self.cfg = cfg
         t = cfg.training
         _check_dump_folder(cfg.job.dump_folder)
+        limit_autotune_from_env()
         self.device = local_device()
         world_size = init_process_group(cfg.comm, cfg.job.dump_folder)
         self.parallel_dims = pd = _parallel_dims(cfg, world_size)
@@ -162,11 +165,8 @@ class Trainer(Stateful):
             else None
         )
 
-        if self.device.type == "cpu":
-            from flame.models.cpu import enable_cpu_fallbacks
-
-            # before the model is built: FLA layers bind their activation functions at construction
-            enable_cpu_fallbacks()
+        # before the model is built: FLA layers bind their activation functions at construction
+        prepare_model_build(self.device.type)
         model = model_build.build_meta_model(self.model_config, varlen=t.varlen)
         model_build.check_position_limit(model, self.model_config, *((t.context_len, "training.context_len")
                                          if t.varlen else (t.seq_len, "training.seq_len")))

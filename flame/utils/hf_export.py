@@ -366,6 +366,8 @@ def hf_to_dcp(hf_dir: str, checkpoint_dir: str, dtype: str | torch.dtype = 'floa
     checkpoint_dir = os.path.abspath(checkpoint_dir)
     if os.path.exists(checkpoint_dir) and os.listdir(checkpoint_dir):
         raise ConfigError(f"checkpoint folder {checkpoint_dir!r} exists and is not empty")
+    from flame.models.cpu import install_attention_standins
+    install_attention_standins()  # hybrids check for flash-attn at construction
     try:
         model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype)
     except (OSError, ValueError, KeyError) as e:

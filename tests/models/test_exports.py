@@ -119,13 +119,39 @@ def test_remote_code_and_fla_exports_load_without_flame(tmp_path):
         assert torch.equal(got['fla'][k], v), k
 
 
-def test_fla_model_generates_on_cpu_after_import_flame(tmp_path):
-    """No enable_cpu_fallbacks() call: ``import flame`` installed the CPU dispatchers."""
-    from transformers import AutoModelForCausalLM
-    import flame  # noqa: F401
-    model = AutoModelForCausalLM.from_config(debug_config('gla'), dtype=torch.float32).eval()
-    out = model.generate(torch.tensor([[1, 5, 7]]), max_new_tokens=3, do_sample=False)
-    assert out.shape == (1, 6)
+GENERATE_ON_CPU = textwrap.dedent('''
+    import sys
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    import flame
+    from flame.generate import generate, load
+    export, config, tokenizer = sys.argv[1:4]
+    # a model built before anything was patched (mamba copies its activation into each layer at
+    # construction): generate() rebinds the instances too
+    config = AutoConfig.from_pretrained(config, vocab_size=len(AutoTokenizer.from_pretrained(tokenizer)))
+    built = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    loaded, tok, _ = load(export)
+    for model in (built, loaded):
+        print(repr(generate(model, tok, "the", max_new_tokens=3, temperature=0, device="cpu")))
+''')
+
+
+def test_fla_model_generates_on_cpu_through_flame_generate(tmp_path):
+    """A fresh process: ``import flame`` then flame.generate's public API, with no enable call:
+    ``load`` and ``generate`` install the CPU dispatchers themselves."""
+    from flame.utils.hf_export import export_hf
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
+    config = debug_config('gla')
+    config.vocab_size = len(tokenizer)
+    gla = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    fla_dir = export_hf(gla.state_dict(), gla.config, tokenizer,
+                        str(tmp_path / 'gla'), dtype='float32')
+    proc = subprocess.run([sys.executable, '-c', GENERATE_ON_CPU, fla_dir, os.path.join(DEBUG_DIR, 'mamba.json'),
+                           TOKENIZER], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    texts = [line for line in proc.stdout.splitlines() if line.startswith("'")]
+    assert len(texts) == 2 and all(t.startswith("'the") for t in texts), proc.stdout
 
 
 def _readme_files(folder):

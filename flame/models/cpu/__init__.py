@@ -1,8 +1,9 @@
 """Pure-torch CPU fallbacks for FLA 0.6.0 (whose ops are Triton-only).
 
-``import flame`` calls :func:`enable_cpu_fallbacks` (it is idempotent), so FLA models run on CPU
-(training, ``generate``) with no further call. It replaces FLA's Triton entry points by device dispatchers: CPU tensors take flame's torch code, any
-other device calls the original FLA function unchanged.
+:func:`enable_cpu_fallbacks` (idempotent) replaces FLA's Triton entry points by device dispatchers:
+CPU tensors take flame's torch code, any other device calls the original FLA function unchanged.
+``import flame`` does not call it; the code paths that run FLA models on CPU do (the trainer's setup
+through :func:`prepare_model_build`, ``flame.generate``, the offload planner's meta measurements).
 
 Covered model families (forward + backward, float32 and bfloat16, tested in tests/models):
 ``gla, delta_net, gated_deltanet, gsa, hgrn2, mamba, mamba2, samba``.
@@ -53,16 +54,18 @@ FUNCTION_PATCHES = [
 _state = {'enabled': False}
 
 
-def enable_cpu_fallbacks() -> dict:
+def enable_cpu_fallbacks(model=None) -> dict:
     """Install the CPU dispatchers into FLA (idempotent; safe to call from every rank).
 
     Imports ``fla`` (and thereby all its layers and models) first, so every ``from ... import``
-    alias already exists when the names are rebound. Returns ``{name: bindings replaced}``, which
+    alias already exists when the names are rebound. FLA layers copy some functions into their
+    instances at construction (``self.gate_fn = ACT2FN[...]``): pass ``model`` when it was built
+    before this call and its instances are rebound too. Returns ``{name: bindings replaced}``, which
     is empty on repeated calls that had nothing new to patch.
     """
     import fla  # noqa: F401  (registers FLA models and imports every layer module)
 
-    report = patch_functions_everywhere(FUNCTION_PATCHES)
+    report = patch_functions_everywhere(FUNCTION_PATCHES, model)
 
     from fla.modules.fused_cross_entropy import FusedCrossEntropyLoss
     from fla.modules.fused_linear_cross_entropy import FusedLinearCrossEntropyLoss
@@ -84,6 +87,16 @@ def install_attention_standins() -> bool:
         attn.flash_attn_func = M.flash_attn_func_cpu
         attn.flash_attn_varlen_func = M.flash_attn_varlen_func_cpu
     return attn.flash_attn_func is M.flash_attn_func_cpu
+
+
+def prepare_model_build(device_type: str) -> None:
+    """What building an FLA model needs before its constructors run: the flash-attn stand-ins
+    (hybrid layers check for flash-attn at construction) and, for a model that will run on CPU,
+    the CPU dispatchers (layers bind some functions at construction)."""
+    if device_type == 'cpu':
+        enable_cpu_fallbacks()
+    else:
+        install_attention_standins()
 
 
 def cpu_fallbacks_enabled() -> bool:
@@ -116,4 +129,4 @@ def cpu_fallbacks():
 
 
 __all__ = ['CPU_FAMILIES', 'FUNCTION_PATCHES', 'MARK', 'cpu_fallbacks', 'cpu_fallbacks_enabled', 'disable_cpu_fallbacks',
-           'enable_cpu_fallbacks', 'install_attention_standins']
+           'enable_cpu_fallbacks', 'install_attention_standins', 'prepare_model_build']

@@ -96,10 +96,11 @@ def patch_function_everywhere(home_module: str, name: str, cpu_impl: Callable) -
     return sum(patch_functions_everywhere([(home_module, name, cpu_impl)]).values())
 
 
-def patch_functions_everywhere(patches) -> dict:
+def patch_functions_everywhere(patches, model=None) -> dict:
     """`patch_function_everywhere` for every ``(home_module, name, cpu_impl)`` in one pass over the
-    loaded modules (one pass per function took seconds at every trainer start). Returns
-    ``{home.name: bindings replaced}`` for the names that had any."""
+    loaded modules (one pass per function took seconds at every trainer start), and over the
+    attributes of ``model``'s submodules when given. Returns ``{home.name: bindings replaced}`` for
+    the names that had any."""
     table, names = {}, {}
     for home_module, name, cpu_impl in patches:
         home = sys.modules.get(home_module)
@@ -120,7 +121,19 @@ def patch_functions_everywhere(patches) -> dict:
         return hit[1]
 
     _rebind_everywhere(replace)
+    if model is not None:
+        _rebind_instances(model, replace)
     return counts
+
+
+def _rebind_instances(model, replace: Callable) -> None:
+    """Attributes of ``model``'s submodules that ``replace`` maps to another object, rebound."""
+    for module in model.modules():
+        for attr, val in list(vars(module).items()):
+            if callable(val) and not isinstance(val, torch.nn.Module):
+                new = replace(val)
+                if new is not val:
+                    setattr(module, attr, new)
 
 
 def unpatch_everywhere() -> int:

@@ -126,6 +126,9 @@ def measure_block_fudges(config, costs_of: dict, prof, seq_len: int, dtype, devi
 
     from transformers import AutoModelForCausalLM
 
+    from flame.models.cpu import prepare_model_build
+
+    prepare_model_build(torch.device(device).type)
     c1 = copy.deepcopy(config)
     c1.num_hidden_layers = 1
     c1.use_cache = False  # a KV cache would chain every timed call's graph to the previous one
