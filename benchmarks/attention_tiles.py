@@ -43,24 +43,24 @@ def _setup(B, T, H, D, small=False):
 
 def _launcher(t, kernel, mode_id, cfg, B, T, H, D, warm=False):
     from flame.ops.attention import kernels as K
-    from flame.ops.attention.parallel import LOG2E, _cdiv
-    from flame.ops.attention.utils import next_pow2
+    from flame.ops.attention.parallel import LOG2E
+    from flame.ops.attention.utils import cdiv, next_pow2
 
     outer, inner, nw, ns = cfg
     bd = max(16, next_pow2(D))
     scale = D ** -0.5
     common = dict(D=D, BD=bd, MODE=mode_id, IS_VARLEN=False, PREC="tf32", num_warps=nw, num_stages=ns)
     if kernel == "fwd":
-        fn, grid = K.attn_fwd_kernel, (_cdiv(T, outer), H, B)
+        fn, grid = K.attn_fwd_kernel, (cdiv(T, outer), H, B)
         args = (t["q"], t["k"], t["v"], t["o"], t["lse"], t["cu"], scale * LOG2E, 1e-6, T, H, H)
         kw = dict(BM=outer, BN=inner, **common)
     elif kernel == "dkdv":
-        fn, grid = K.attn_bwd_dkdv_kernel, (_cdiv(T, outer), H, B)
+        fn, grid = K.attn_bwd_dkdv_kernel, (cdiv(T, outer), H, B)
         args = (t["q"], t["k"], t["v"], t["do"], t["lse"], t["delta"], t["dk"], t["dv"], t["cu"], scale * LOG2E,
                 scale, T, H, H)
         kw = dict(BN=outer, BM=inner, RAW_SIGN=True, **common)
     else:
-        fn, grid = K.attn_bwd_dq_kernel, (_cdiv(T, outer), H, B)
+        fn, grid = K.attn_bwd_dq_kernel, (cdiv(T, outer), H, B)
         args = (t["q"], t["k"], t["v"], t["do"], t["lse"], t["delta"], t["dq"], t["cu"], scale * LOG2E, scale, T, H, H)
         kw = dict(BM=outer, BN=inner, RAW_SIGN=True, **common)
     if warm:

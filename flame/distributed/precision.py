@@ -11,9 +11,9 @@ def autocast_context(parallel_dims, param_dtype: str, device_type: str, offloade
 
     FSDP2 casts parameters itself and the offload engine streams compute-dtype weights, so
     those get no autocast. Everything else does: one device, DDP, and tensor parallelism without
-    FSDP. torchtitan's ``maybe_enable_amp`` leaves TP without FSDP in float32; on 2x H200 that
-    made TP=2 of a 1.3B transformer 6x slower than one GPU (run 2026-11-22), while autocast
-    dispatches below DTensor and casts the sharded matmuls like plain ones.
+    FSDP. torchtitan's ``maybe_enable_amp`` leaves TP without FSDP in float32, which runs the
+    sharded matmuls in float32 (several times slower than one GPU in bf16); autocast dispatches
+    below DTensor and casts the sharded matmuls like plain ones.
     """
     dtype = TORCH_DTYPE_MAP[param_dtype]
     if offloaded or parallel_dims.fsdp_enabled or dtype == torch.float32:

@@ -1,12 +1,13 @@
 """Cap how many configs Triton's autotuner compiles and times per kernel (cold-start knob).
 
 FLA's chunk kernels autotune over dozens of configs each; on a machine with an empty Triton
-cache the first backward of a GLA/GatedDeltaNet model spends many minutes in ptxas (measured on
-the lent H100: > 10 min before the first GLA 340M step). ``FLAME_AUTOTUNE_MAX_CONFIGS=k`` keeps k
+cache the first backward of a GLA/GatedDeltaNet model spends many minutes in ptxas (more than ten
+for a GLA 340M on an H100). ``FLAME_AUTOTUNE_MAX_CONFIGS=k`` keeps k
 configs per kernel, spread evenly over the kernel's own list (its first and last included), so a
 cold start compiles k instead of all; the autotuner still times those k and skips any that do
 not fit the GPU. Kernels may then run slower than fully tuned ones: use it for smoke runs and
-short jobs, not for speed measurements. Off (0) by default.
+short jobs, not for speed measurements. Off (0) by default. The trainer's setup and
+``python -m flame.generate`` read the variable (``import flame`` does not).
 """
 
 from __future__ import annotations

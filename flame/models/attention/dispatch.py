@@ -89,7 +89,7 @@ def attention(
     if q.is_cuda:
         if cu_seqlens is None:
             return _flex(q, k, v, scale, None), None
-        # FlexAttention measured faster than torch varlen_attn on H100 (see benchmarks/results)
+        # FlexAttention by default: faster than torch's varlen_attn on H100 (benchmarks/attention.py times both)
         how = os.environ.get("FLAME_VARLEN_SOFTMAX", "flex")
         if how == "varlen" and _varlen_attn() is not None:
             return _torch_varlen(q, k, v, scale, cu_seqlens, max_seqlen), None

@@ -1,10 +1,9 @@
 """Elementwise and reduction passes over host (CPU) grad buffers, chunk by chunk.
 
-torch's CPU kernels are slow or imprecise on these paths, measured on the lent H100 machine's host
-(16 cores) and on 2 CPU cores (2026-11-22): a mixed-dtype add (fp32 += bf16) is not vectorized;
-``vector_norm`` runs at ~0.2-1.3 G elements/s and, accumulating 67M squares in float32, was 1%
-low; a BLAS ``dot`` per chunk was precise to ~1e-5 but took 2.5 s for 6.5 G bf16 elements on the
-H100 host. Converting a cache-sized chunk into an fp32 scratch and using torch's own parallel
+torch's CPU kernels are slow or imprecise on these paths: a mixed-dtype add (fp32 += bf16) is not
+vectorized; ``vector_norm`` accumulates squares in float32 (about 1% low over tens of millions of
+elements) and is slow; a BLAS ``dot`` per chunk is precise but slow on billions of bf16 elements
+(benchmarks/host_adds.py times these on a given host). Converting a cache-sized chunk into an fp32 scratch and using torch's own parallel
 ``add_``, ``square_`` and ``sum`` (a cascade sum: ~1e-8 relative) is vectorized, and the norm
 of an accumulator's last add is taken while its chunk is still in cache (or close to it).
 Each op needs the GIL to be dispatched, and the training thread holds it for up to the switch

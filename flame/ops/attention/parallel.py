@@ -16,16 +16,12 @@ import torch
 from flame.errors import ConfigError
 from flame.ops.attention import tiles
 from flame.ops.attention.tiles import TileConfig, TileKey
-from flame.ops.attention.utils import MODES, check_head_dim, check_mode, next_pow2, triton_interpreting
+from flame.ops.attention.utils import MODES, cdiv, check_head_dim, check_mode, next_pow2, triton_interpreting
 
 LOG2E = 1.4426950408889634
 _INTERPRET_TILE = TileConfig(16, 16, 1, 1)
 
 tuned_configs = tiles.tuned_configs
-
-
-def _cdiv(a: int, b: int) -> int:
-    return (a + b - 1) // b
 
 
 def _prec(dtype: torch.dtype) -> str:
@@ -66,7 +62,7 @@ def attn_fwd(
     n_docs = _n_docs(q, cu_seqlens)
 
     def launch(c: TileConfig):
-        attn_fwd_kernel[(_cdiv(max_seqlen, c.outer), HQ, n_docs)](
+        attn_fwd_kernel[(cdiv(max_seqlen, c.outer), HQ, n_docs)](
             q, k, v, o, lse, cu, scale * LOG2E, eps, T, HQ, HK,
             D=D, BD=bd, MODE=mode_id, IS_VARLEN=cu_seqlens is not None,
             PREC=_prec(q.dtype), BM=c.outer, BN=c.inner, num_warps=c.num_warps, num_stages=c.num_stages,
@@ -98,7 +94,7 @@ def attn_bwd(
     delta = torch.empty(B * T, HQ, device=q.device, dtype=torch.float32)
     n_rows = B * T * HQ
     br = 16 if triton_interpreting() else max(16, 8192 // bd)
-    bwd_delta_kernel[(_cdiv(n_rows, br),)](o, do, delta, n_rows, D=D, BD=bd, BR=br, num_warps=4)
+    bwd_delta_kernel[(cdiv(n_rows, br),)](o, do, delta, n_rows, D=D, BD=bd, BR=br, num_warps=4)
     dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     dk = torch.empty(k.shape, device=k.device, dtype=k.dtype)
     dv = torch.empty(v.shape, device=v.device, dtype=v.dtype)
@@ -108,13 +104,13 @@ def attn_bwd(
                   RAW_SIGN=scale > 0)
 
     def launch_dkdv(c: TileConfig):
-        attn_bwd_dkdv_kernel[(_cdiv(max_seqlen, c.outer), HK, n_docs)](
+        attn_bwd_dkdv_kernel[(cdiv(max_seqlen, c.outer), HK, n_docs)](
             q, k, v, do, lse, delta, dk, dv, cu, scale * LOG2E, scale, T, HQ, HK,
             BN=c.outer, BM=c.inner, num_warps=c.num_warps, num_stages=c.num_stages, **common,
         )
 
     def launch_dq(c: TileConfig):
-        attn_bwd_dq_kernel[(_cdiv(max_seqlen, c.outer), HQ, n_docs)](
+        attn_bwd_dq_kernel[(cdiv(max_seqlen, c.outer), HQ, n_docs)](
             q, k, v, do, lse, delta, dq, cu, scale * LOG2E, scale, T, HQ, HK,
             BM=c.outer, BN=c.inner, num_warps=c.num_warps, num_stages=c.num_stages, **common,
         )

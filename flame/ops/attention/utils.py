@@ -46,5 +46,10 @@ def log_position_scale(positions: torch.Tensor, scale: torch.Tensor) -> torch.Te
     return (logpos[..., None] * scale.float()[None, None, :])[..., None]
 
 
+def cdiv(a: int, b: int) -> int:
+    """Ceiling of a / b (grid sizes)."""
+    return (a + b - 1) // b
+
+
 def next_pow2(x: int) -> int:
     return 1 << max(0, math.ceil(math.log2(x)))
