@@ -38,6 +38,7 @@ from flame.distributed.precision import autocast_context
 from flame.errors import ConfigError, NonFiniteError
 from flame.models import build as model_build
 from flame.models.cpu import prepare_model_build
+from flame.offload.gpu_cap import apply_gpu_cap
 from flame.utils import outcome, run_lock
 from flame.utils.autotune import limit_autotune_from_env
 from flame.utils.process_guard import StopRequest, die_with_launcher
@@ -141,6 +142,8 @@ class Trainer(Stateful):
         limit_autotune_from_env()
         self.device = local_device()
         world_size = init_process_group(cfg.comm, cfg.job.dump_folder)
+        # before anything is allocated on the GPU: the allocator's settings and reserved-bytes cap
+        apply_gpu_cap(cfg.offload, self.device)
         self.parallel_dims = pd = _parallel_dims(cfg, world_size)
         if pd.dp_enabled:
             batch_mesh = pd.get_mesh("batch")

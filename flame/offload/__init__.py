@@ -29,11 +29,12 @@ def _get(obj, path, default):
 
 def build_plan(model, job_config, device, world: int = 1, threads_from_profile: bool = False):
     """(plan, costs, profile) for `model` under job_config.offload, measuring what is missing.
-    `threads_from_profile`: CPU optimizer threads from the profile's machine (planning for
-    another machine) instead of the cores this process may use."""
+    `threads_from_profile`: planning for the profile's machine (the calculator, on a machine
+    without that GPU): CPU optimizer threads from its cores instead of the ones this process may
+    use, and its measured CUDA context in the GPU budget."""
     from flame.offload.measure.hardware import measure
     from flame.offload.measure.tracing import model_costs
-    from flame.offload.planner.budgets import gpu_budget_bytes, host_budget_bytes
+    from flame.offload.planner.budgets import host_budget_bytes
     from flame.offload.planner.cost_model import Dtypes
     from flame.offload.planner.hardware import load, save
     from flame.offload.planner.plan import Plan
@@ -78,8 +79,7 @@ def build_plan(model, job_config, device, world: int = 1, threads_from_profile: 
         prof.allgather_gbps, prof.reducescatter_gbps = measure_collectives(device)
         logger.info("offload: all-gather %.1f GB/s, reduce-scatter %.1f GB/s (bus bandwidth, %d ranks)",
                     prof.allgather_gbps, prof.reducescatter_gbps, world)
-    total = torch.cuda.get_device_properties(device).total_memory if torch.device(device).type == "cuda" else prof.gpu_total_bytes
-    gpu = gpu_budget_bytes(off.gpu_memory_gib, off.gpu_margin_gib, total)
+    gpu = gpu_plan_bytes(off, device, prof, threads_from_profile)
     host = host_budget_bytes(off.host_memory_gib, off.host_margin_gib)
     cores = prof.cpu_cores if threads_from_profile else len(os.sched_getaffinity(0))
     # ranks on this machine (torchrun's LOCAL_WORLD_SIZE; the calculator, which has none, assumes
@@ -112,6 +112,26 @@ def build_plan(model, job_config, device, world: int = 1, threads_from_profile: 
     if off.save_plan:
         plan.save(off.save_plan)
     return plan, costs, prof
+
+
+def gpu_plan_bytes(off: Offload, device, prof, for_profile_machine: bool) -> int:
+    """What the plan may allocate on the GPU: the split the trainer applied (`gpu_cap`), else the
+    one `planner.budgets.gpu_budget` makes from this GPU's driver memory now, from the profile's
+    (planning for its machine), or from nothing (a CPU run: the plan is all there is)."""
+    from flame.offload.gpu_cap import applied_gpu_cap
+    from flame.offload.planner.budgets import DEFAULT_CUDA_CONTEXT_BYTES, gpu_budget
+
+    applied = applied_gpu_cap(device)
+    if applied is not None:
+        return applied.plan_bytes
+    if torch.device(device).type == "cuda":
+        from flame.offload.measure.hardware import outside_allocator_bytes
+
+        total, context = torch.cuda.get_device_properties(device).total_memory, outside_allocator_bytes(device)
+    else:
+        total = prof.gpu_total_bytes
+        context = (prof.cuda_context_bytes or DEFAULT_CUDA_CONTEXT_BYTES) if for_profile_machine else None
+    return gpu_budget(off.gpu_memory_gib, off.gpu_margin_gib, total, context).plan_bytes
 
 
 def optimizer_threads(cores: int, node_ranks: int) -> int:

@@ -21,7 +21,9 @@ class Offload:
     on: always run the offload engine (even if everything fits); off: never offload."""
 
     gpu_memory_gib: float = 0.0
-    """GPU memory budget per GPU in GiB. 0 = device total minus `gpu_margin_gib`."""
+    """GPU memory budget per GPU in GiB: the whole process on the device (CUDA context and driver
+    memory plus torch's reserved bytes); the trainer caps torch's allocator to fit it (see
+    `flame.offload.gpu_cap`). 0 = device total minus `gpu_margin_gib`, no allocator cap."""
 
     gpu_margin_gib: float = 2.0
     """Margin kept free on the GPU (CUDA context, NCCL buffers, allocator fragmentation) when

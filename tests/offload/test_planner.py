@@ -297,7 +297,7 @@ def test_cli_infeasible_exits_nonzero(tmp_path, capsys):
     assert "did you mean 'training.batch_size'" in capsys.readouterr().err
     assert cli.main(args[:-2] + ["--offload.host_memory_gib", "8", "--training.batch_size", "3"]) == 0
     assert "micro-batch 3x512" in capsys.readouterr().out
-    assert cli.main(args[:-2] + ["--offload.host_memory_gib", "8", "--offload.gpu_memory_gib", "1"]) == 0
+    assert cli.main(args[:-2] + ["--offload.host_memory_gib", "8", "--offload.gpu_memory_gib", "2"]) == 0
     assert "predicted step" in capsys.readouterr().out
 
 

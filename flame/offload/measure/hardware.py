@@ -143,7 +143,16 @@ def measure(gemm_shapes: list[tuple[int, int, int]] | None = None, device: str =
         gpu_adam_gparams=gpu_adam,
         pin_s_per_gib=pin_s,
         cpu_adam_bf16_gparams=measure_cpu_adam(dtype=bf),
+        cuda_context_bytes=outside_allocator_bytes(dev),
     )
+
+
+def outside_allocator_bytes(device) -> int:
+    """Device memory in use now that torch's caching allocator did not reserve: this process's
+    CUDA context, loaded kernel modules and library handles (and other processes' memory on the
+    same GPU, if any)."""
+    free, total = torch.cuda.mem_get_info(device)
+    return max(0, total - free - torch.cuda.memory_reserved(device))
 
 
 def measure_collectives(device, group=None, nbytes: int = 1 << 27, iters: int = 3) -> tuple[float, float]:

@@ -1,10 +1,69 @@
-"""Default memory budgets: device total minus a margin; host from cgroup / Slurm / meminfo."""
+"""Memory budgets: the GPU cap split into what torch's allocator may reserve and what a plan may
+allocate; the host budget from cgroup / Slurm / meminfo.
+
+`offload.gpu_memory_gib` is the whole process on the device, as `nvidia-smi` counts it: the
+CUDA context and other driver memory outside torch's caching allocator, plus the allocator's
+reserved bytes, of which the plan's allocated peak is a part. The allocator cap (applied with
+`torch.cuda.set_per_process_memory_fraction`, `flame.offload.gpu_cap`) bounds reserved bytes;
+the plan keeps `FRAGMENTATION_HEADROOM` of it free for cached blocks of the wrong size.
+"""
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+
+from flame.errors import ConfigError
 
 GiB = 1024**3
+
+OUTSIDE_ALLOCATOR_GROWTH_BYTES = GiB // 2
+"""Device memory the driver takes outside torch's allocator after the start-up measurement:
+kernel modules loaded at their first launch (CUDA's lazy loading: torch, Triton and inductor
+kernels), NCCL communicators' buffers (made at the first collective), cuBLAS and cuDNN handles."""
+
+DEFAULT_CUDA_CONTEXT_BYTES = GiB // 2
+"""Driver memory of one process at start-up when neither the process nor the hardware profile
+measured it (planning without a GPU from a profile that lacks `cuda_context_bytes`)."""
+
+FRAGMENTATION_HEADROOM = 0.05
+"""Share of the allocator's cap a plan leaves unallocated: reserved bytes cached in blocks the
+next request does not fit (the trainer turns on expandable segments, which keep this small)."""
+
+
+@dataclass(frozen=True)
+class GpuBudget:
+    """One GPU's memory split, in bytes."""
+
+    cap_bytes: int
+    """The process's whole use of the device (nvidia-smi's number)."""
+    outside_allocator_bytes: int
+    """Counted for the CUDA context and driver memory outside torch's allocator (0: not counted)."""
+    allocator_bytes: int
+    """Cap on the allocator's reserved bytes (0: no cap is applied)."""
+    plan_bytes: int
+    """What a plan's allocated peak may reach."""
+
+
+def gpu_budget(gpu_memory_gib: float, margin_gib: float, device_total: int,
+               context_bytes: int | None) -> GpuBudget:
+    """The split of `offload.gpu_memory_gib` (0: the device total minus `margin_gib`, which is
+    the headroom then, and no allocator cap). `context_bytes`: driver memory outside the
+    allocator measured at start-up; None when the plan runs on no GPU (CPU tests of the engine:
+    nothing but the plan is counted)."""
+    if gpu_memory_gib <= 0:
+        plan = max(0, int(device_total - margin_gib * GiB))
+        return GpuBudget(cap_bytes=plan, outside_allocator_bytes=0, allocator_bytes=0, plan_bytes=plan)
+    cap = int(gpu_memory_gib * GiB)
+    if context_bytes is None:
+        return GpuBudget(cap_bytes=cap, outside_allocator_bytes=0, allocator_bytes=0, plan_bytes=cap)
+    outside = context_bytes + OUTSIDE_ALLOCATOR_GROWTH_BYTES
+    allocator = min(cap, device_total) - outside
+    if allocator <= 0:
+        raise ConfigError(f"offload.gpu_memory_gib={gpu_memory_gib}: needs more than {outside / GiB:.2f} GiB, the CUDA "
+                          "context and driver memory outside torch's allocator")
+    return GpuBudget(cap_bytes=cap, outside_allocator_bytes=outside, allocator_bytes=allocator,
+                     plan_bytes=int(allocator * (1 - FRAGMENTATION_HEADROOM)))
 
 
 def _cgroup_limit() -> int | None:
@@ -42,7 +101,3 @@ def host_budget_bytes(host_memory_gib: float, margin_gib: float) -> int:
     return max(0, int(min(limits) - margin_gib * GiB)) if limits else 0
 
 
-def gpu_budget_bytes(gpu_memory_gib: float, margin_gib: float, device_total: int) -> int:
-    if gpu_memory_gib > 0:
-        return int(gpu_memory_gib * GiB)
-    return max(0, int(device_total - margin_gib * GiB))

@@ -48,6 +48,10 @@ class HardwareProfile:
     cpu_adam_bf16_gparams: dict[str, float] = field(default_factory=dict)
     """Fused CPU AdamW rate with bf16 params, grads and moments (half the bytes of fp32), per
     thread count; empty in profiles stored before it was measured (the fp32 rate is used then)."""
+    cuda_context_bytes: int = 0
+    """Device memory in use outside torch's caching allocator once the profile's kernels ran
+    (CUDA context, loaded kernel modules, library handles; other processes on the GPU count too);
+    0 in profiles stored before it was measured (`budgets.DEFAULT_CUDA_CONTEXT_BYTES` then)."""
 
     def gemm_rate(self, shape: str | None = None) -> float:
         """FLOP/s for a GEMM shape (falls back to the mean of measured shapes)."""
