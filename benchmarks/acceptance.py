@@ -163,7 +163,8 @@ def _with_config(args: list[str], path: str) -> list[str]:
     return out
 
 
-def _records(path: str) -> list[dict]:
+def records(path: str) -> list[dict]:
+    """The step records (those with a loss) of a metrics.jsonl, skipping a line being written."""
     if not os.path.isfile(path):
         return []
     out = []
@@ -176,6 +177,28 @@ def _records(path: str) -> list[dict]:
             if "loss" in rec:
                 out.append(rec)
     return out
+
+
+def run_in_group(cmd: list[str], env: dict, log_path: str, cap_s: float, started=None) -> tuple:
+    """Run ``cmd`` in its own process group, stdout and stderr into ``log_path``, killed (the whole
+    group: a launcher and its workers) after ``cap_s`` seconds. ``started()`` is polled until it
+    says True (e.g. the first step is logged). Returns (exit code or "timeout", wall seconds,
+    seconds until ``started`` said True or None)."""
+    start = time.perf_counter()
+    first = None
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        rc = None
+        while rc is None:
+            time.sleep(0.5)
+            rc = proc.poll()
+            if first is None and started is not None and started():
+                first = time.perf_counter() - start
+            if rc is None and time.perf_counter() - start > cap_s:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                rc = "timeout"
+    return rc, time.perf_counter() - start, first
 
 
 def run_row(row: Row, runs: str, cap_s: float) -> dict:
@@ -196,24 +219,10 @@ def run_row(row: Row, runs: str, cap_s: float) -> dict:
     env = dict(os.environ, TORCH_LOGS="recompiles", PYTHON=sys.executable, PYTHONUNBUFFERED="1", **row.env)
     log_path = os.path.join(dump, "console.log")
     metrics = os.path.join(dump, "metrics.jsonl")
-    start = time.perf_counter()
-    first_step_s = None
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        rc = None
-        while rc is None:
-            time.sleep(0.5)
-            rc = proc.poll()
-            if first_step_s is None and _records(metrics):
-                first_step_s = time.perf_counter() - start
-            if rc is None and time.perf_counter() - start > cap_s:
-                os.killpg(proc.pid, signal.SIGKILL)  # the whole group: torchrun and its workers
-                proc.wait()
-                rc = "timeout"
-    wall = time.perf_counter() - start
+    rc, wall, first_step_s = run_in_group(cmd, env, log_path, cap_s, lambda: bool(records(metrics)))
     with open(log_path, errors="replace") as f:
         console = f.read()
-    recs = _records(metrics)
+    recs = records(metrics)
     half = recs[len(recs) // 2:] if len(recs) >= 2 else recs
     tps = [r["tokens_per_second"] for r in half if r.get("tokens_per_second")]
     out = {
@@ -236,7 +245,7 @@ def run_row(row: Row, runs: str, cap_s: float) -> dict:
     return out
 
 
-def _versions() -> dict:
+def versions() -> dict:
     out = {}
     for mod in ("torch", "triton", "fla", "transformers", "torchtitan"):
         try:
@@ -247,7 +256,7 @@ def _versions() -> dict:
     return out
 
 
-def _device() -> dict:
+def device_info() -> dict:
     import torch
 
     if not torch.cuda.is_available():
@@ -256,7 +265,7 @@ def _device() -> dict:
             "memory_gib": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)}
 
 
-def _commit() -> str:
+def commit() -> str:
     if os.environ.get("FLAME_COMMIT"):
         return os.environ["FLAME_COMMIT"]
     try:
@@ -264,6 +273,13 @@ def _commit() -> str:
                               check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+def write_markdown(json_path: str, md: str) -> None:
+    """The table next to its JSON (same name, .md), and on stdout."""
+    with open(os.path.splitext(json_path)[0] + ".md", "w") as f:
+        f.write(md + "\n")
+    print(md)
 
 
 def markdown(doc: dict) -> str:
@@ -317,8 +333,8 @@ def main() -> int:
     if unknown:
         ap.error(f"unknown rows {unknown}; --list shows them")
     chosen = [r for r in rows if r.name in names] if names else [r for r in rows if r.group in groups]
-    doc = {"what": "flame acceptance: user command lines through train.sh", "device": _device(),
-           "versions": _versions(), "commit": _commit(), "steps": a.steps,
+    doc = {"what": "flame acceptance: user command lines through train.sh", "device": device_info(),
+           "versions": versions(), "commit": commit(), "steps": a.steps,
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "command": " ".join(sys.argv),
            "env": {k: v for k, v in os.environ.items() if k.startswith(("FLAME_", "FLA_", "TRITON_"))},
            "results": []}
@@ -361,10 +377,7 @@ def main() -> int:
     doc["results"].sort(key=lambda r: order[r["row"]])
     with open(a.out, "w") as f:
         json.dump(doc, f, indent=1)
-    md = markdown(doc)
-    with open(os.path.splitext(a.out)[0] + ".md", "w") as f:
-        f.write(md + "\n")
-    print(md)
+    write_markdown(a.out, markdown(doc))
     return 0
 
 

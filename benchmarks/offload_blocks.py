@@ -1,4 +1,4 @@
-"""Per-block forward timing of one engine row of `benchmarks/offload.py` (writes JSON, prints per
+"""Per-block forward timing of one engine row of `benchmarks/offload_engine.py` (writes JSON, prints per
 block): the plan a result JSON stored for the row is rebuilt, three steps warm the engine up, and
 one steady step records a CUDA event and the host clock at every block's forward pre-hook (and at
 the start and end of each round's forward: the last interval is the last block, the head and the
@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import offload as bench  # noqa: E402  (benchmarks/offload.py: model shapes and the loss)
+import offload_engine as bench  # noqa: E402  (benchmarks/offload_engine.py: model shapes and the loss)
 from offload_predict import ROW_OF, plan_of_row  # noqa: E402
 
 from flame.offload import optimizer_threads  # noqa: E402
@@ -31,7 +31,7 @@ from flame.offload.runtime.engine import OffloadEngine  # noqa: E402
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("result", help="a benchmarks/offload.py result JSON holding the row's plan")
+    ap.add_argument("result", help="a benchmarks/offload_engine.py result JSON holding the row's plan")
     ap.add_argument("out")
     ap.add_argument("--row", default="b_8B_bf16_24GiB_32k")
     args = ap.parse_args()

@@ -1,4 +1,8 @@
-"""Offload benchmark, one device run, side by side (writes JSON + a markdown table).
+"""The offload engine driven directly (not through the trainer), one device run (JSON + markdown).
+
+Planner-accuracy work: phase-by-phase timing, the engine's memory split and host seconds, the
+engine rows that `offload_blocks.py` and `offload_predict.py` read. The product-path comparison
+(flame through `train.sh` next to torchtitan's own trainer) is `benchmarks/offload.py`.
 
 (a) 3B Llama-shaped model at a 16 GiB GPU cap (offload engine) vs fully resident (plain torch,
     fp32 master + autocast bf16, fused GPU AdamW) vs FSDP2 CPUOffloadPolicy (world 1);
@@ -16,7 +20,7 @@ divisors (as the trainer does), so every row trains the same tokens per step.
 Every row runs in its own process (a row's memory cannot OOM the next one) under a wall cap, so
 the whole script fits one device call.
 All models: activation checkpointing where the baseline needs it to fit, seq 4096/8192.
-Usage: python benchmarks/offload.py OUT_DIR [--sections a,b] [--steps 3] [--a_rounds 8] [--budget_s 520]
+Usage: python benchmarks/offload_engine.py OUT_DIR [--sections a,b] [--steps 3] [--a_rounds 8] [--budget_s 520]
        [--loss_chunk_tokens 4096]
 """
 

@@ -1,9 +1,9 @@
 """Planner-only sweep (no GPU): the offload benchmark's runs at several `training.loss_chunk_tokens`.
 
 Costs are measured on the meta device, the hardware profile is the one stored in a benchmark
-result JSON (default: the H100 run 4), and `solve` picks the plan exactly as benchmarks/offload.py
+result JSON (default: the H100 run 4), and `solve` picks the plan exactly as benchmarks/offload_engine.py
 does (the micro-batch chosen among the divisors of the step's sequences; block calibration factor 1). Prints a table and writes JSON. These are predictions of the
-cost model, not measurements: benchmarks/offload.py --loss_chunk_tokens N measures them.
+cost model, not measurements: benchmarks/offload_engine.py --loss_chunk_tokens N measures them.
 
 Usage: python benchmarks/offload_predict.py [--result benchmarks/results/offload_h100_run4.json]
        [--chunks 0,4096,2048,1024] [--out benchmarks/results/offload_predicted_loss_chunks.json]
@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.offload import A_MB, A_SEQ, llama  # noqa: E402
+from benchmarks.offload_engine import A_MB, A_SEQ, llama  # noqa: E402
 from flame.offload import optimizer_threads  # noqa: E402
 from flame.offload.measure.tracing import model_costs  # noqa: E402
 from flame.offload.planner.cost_model import Dtypes  # noqa: E402
@@ -39,7 +39,7 @@ from flame.offload.planner.refit import (cpu_adam_scale, predict_again, use_bloc
 from flame.offload.planner.solver import solve_micro_batches  # noqa: E402
 
 GiB = 1024**3
-# the engine rows of benchmarks/offload.py: (name, model, dtypes, GPU cap GiB, seq, sequences per step)
+# the engine rows of benchmarks/offload_engine.py: (name, model, dtypes, GPU cap GiB, seq, sequences per step)
 BF16 = Dtypes("bfloat16", "bfloat16", "bfloat16", "bfloat16")
 ROWS = [
     ("a_offload_16GiB", "3B", Dtypes(), 16, A_SEQ, 8 * A_MB),
@@ -55,7 +55,7 @@ for _name in ("o_8B_bf16_40GiB_32k", "o_8B_bf16_40GiB_32k_no_act_offload", "o_8B
 
 
 def plan_of_row(pl: dict, dt: Dtypes, seq: int, micro_batch: int, rounds: int, threads: int, world: int = 1) -> Plan:
-    """The Plan a benchmarks/offload.py row ran, from the decisions its JSON stored (budgets 0)."""
+    """The Plan a benchmarks/offload_engine.py row ran, from the decisions its JSON stored (budgets 0)."""
     return Plan(pl["layer_modes"], pl["layer_acts"], pl["outer"], pl["depth"], micro_batch, seq, rounds, threads,
                 dataclasses.asdict(dt), 0, 0, world=world, node_ranks=world, layer_gpu_acc=pl.get("layer_gpu_acc") or [],
                 outer_gpu_acc=pl.get("outer_gpu_acc", False))
@@ -87,7 +87,7 @@ def replay(result: str) -> list[dict]:
                 continue
         world = r.get("world", 1)
         costs = model_costs(llama(size), getattr(torch, dt.compute), [mb], seq, loss_chunk_tokens=chunk)[mb]
-        threads = optimizer_threads(prof.cpu_cores, world)  # as benchmarks/offload.py
+        threads = optimizer_threads(prof.cpu_cores, world)  # as benchmarks/offload_engine.py
         plan = plan_of_row(pl, dt, seq, mb, rounds, threads, world)
         cal = r["block_calibration"]
         # results from 2026-11-23 on also timed the outer (head + loss) before the run
@@ -96,7 +96,7 @@ def replay(result: str) -> list[dict]:
         now = pred_now.step_s
         row = {"run": name, "world": world, "measured_step_s": r["step_s"], "predicted_then_s": r["predicted_step_s"],
                "predicted_now_s": now, "error_now": now / r["step_s"] - 1}
-        if r.get("measured_phase_s"):  # one step timed phase by phase (benchmarks/offload.py)
+        if r.get("measured_phase_s"):  # one step timed phase by phase (benchmarks/offload_engine.py)
             row.update(measured_phase_s=r["measured_phase_s"], predicted_phase_s_then=r.get("predicted_phase_s"),
                        predicted_phase_s_now=pred_now.phase_s)
         # the calibration's first refit: the CPU AdamW rate the engine measured in the run
@@ -126,10 +126,10 @@ def replay(result: str) -> list[dict]:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--result", default="benchmarks/results/offload_h100_run4.json",
-                    help="a benchmarks/offload.py result JSON whose hardware profile is used")
+                    help="a benchmarks/offload_engine.py result JSON whose hardware profile is used")
     ap.add_argument("--chunks", default="0,4096,2048,1024", help="loss chunk sizes in tokens (0: plain loss)")
     ap.add_argument("--out", default="", help="JSON output path (default: print only)")
-    ap.add_argument("--replay", default="", help="a benchmarks/offload.py result JSON: predict its plans again")
+    ap.add_argument("--replay", default="", help="a benchmarks/offload_engine.py result JSON: predict its plans again")
     args = ap.parse_args()
     if args.replay:
         rows = replay(args.replay)
@@ -140,7 +140,7 @@ def main():
         return
     with open(args.result) as f:
         prof = from_dict(json.load(f)["profile"])
-    host = prof.host_total_bytes - 16 * GiB  # as benchmarks/offload.py
+    host = prof.host_total_bytes - 16 * GiB  # as benchmarks/offload_engine.py
     threads = optimizer_threads(prof.cpu_cores, 1)
     chunks = [int(c) for c in args.chunks.split(",")]
     rows = []
