@@ -83,3 +83,15 @@ def test_list_mode_prints_every_row_without_a_gpu(capsys):
     assert bench.main(["--list", "--shapes", "3B"]) == 0
     out = capsys.readouterr().out
     assert "torchtitan.train" in out and "train.sh" in out and "--training.enable_cpu_offload" in out
+
+
+def test_torchtitan_reads_the_registered_corpus():
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+    from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataset
+
+    import titan_ext  # noqa: F401  (registers the dataset)
+
+    tok = HuggingFaceTokenizer(bench.TOKENIZER)
+    x, y = next(iter(HuggingFaceTextDataset("flame_sample", None, tok, seq_len=64, infinite=True)))
+    assert x["input"].shape == y.shape == (64,) and int(x["input"].max()) < tok.get_vocab_size()
+    assert (x["input"][1:] == y[:-1]).all()
