@@ -137,8 +137,14 @@ class ChatRenderer:
                 self.template = f.read()
 
     def _render(self, messages: list[dict], generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(messages, chat_template=self.template, tokenize=False,
-                                                  add_generation_prompt=generation_prompt)
+        from jinja2 import TemplateError
+
+        try:
+            return self.tokenizer.apply_chat_template(messages, chat_template=self.template, tokenize=False,
+                                                      add_generation_prompt=generation_prompt)
+        except TemplateError as e:
+            # templates refuse some conversations themselves (e.g. roles that do not alternate)
+            raise BadConversation(f"the chat template refuses it ({e})") from None
 
     def assistant_spans(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
         """The rendered conversation and the character spans of its assistant turns."""

@@ -131,6 +131,16 @@ def test_bad_rows_are_counted_and_skipped_with_one_log_line(tmp_path, tok, caplo
                    bad_document_policy="error"), 1)
 
 
+def test_a_conversation_the_template_refuses_is_a_bad_row():
+    tok = word_tokenizer()
+    tok.chat_template = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+                         "{{ raise_exception('roles must alternate') }}{% endif %}{{ m['content'] }} {% endfor %}")
+    render = ChatRenderer(tok, max_len=64)
+    assert render(HAND).ids.tolist() == [6, 7, 8, 9, 10]  # the tokenizer's own template, not the bundled one
+    with pytest.raises(BadConversation, match="roles must alternate"):
+        render([HAND[1], HAND[0], HAND[1]])
+
+
 def test_a_source_of_another_format_is_one_line(tmp_path, tok):
     data = write_rows(tmp_path / "t.jsonl", [{"text": "plain text"}])
     with pytest.raises(ConfigError, match="none of the columns 'messages'"):
