@@ -323,6 +323,8 @@ class ConversationConsumer(Consumer):
                 break  # waits for the next row
             convs.append((self.doc, self.doc_src))
             self.tokens[self.doc_src] += n
+            if self.trace is not None:
+                self.trace.append((self.doc_src, *self.doc_ident, 0, n))
             self.doc_pos = n
             used += n
         return convs
@@ -344,6 +346,8 @@ class ConversationConsumer(Consumer):
                         src[b, at:at + len(conv)] = s
                         at += len(conv)
                 batch["_source_ids"] = torch.from_numpy(src)
+            if self.trace is not None:
+                batch["_trace"], self.trace = self.trace, []
             self.batches += 1
             batch["_state"] = self.state()
             yield batch

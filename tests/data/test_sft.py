@@ -5,7 +5,7 @@ import logging
 
 import pytest
 import torch
-from flame_data_testlib import REPO, build, same_batches, take
+from flame_data_testlib import REPO, assert_no_overlap, build, coverage, same_batches, take
 
 from flame.data.chat import BadConversation, ChatRenderer, messages_of
 from flame.data.loader import STATE_KEY
@@ -167,3 +167,28 @@ def test_exact_resume(tok, varlen, streaming, world):
         resumed.load_state_dict({STATE_KEY: json.dumps(saved)})
         assert same_batches(take(resumed, 5), reference[r])
     assert not torch.equal(reference[0][0]["input_ids"], reference[0][1]["input_ids"])
+
+
+@pytest.mark.parametrize("before,after", [(2, 1), (1, 2)])
+def test_elastic_resume_neither_repeats_nor_skips_a_conversation(tok, before, after):
+    kw = dict(dataset=str(SAMPLE / "chat.jsonl"), sft=True, batch_size=2, seq_len=128, varlen=True, context_len=64,
+              seed=5)
+    from flame.data import state as gstate
+
+    first = [build(tok, r, before, **kw) for r in range(before)]
+    batches = [b for L in first for b in take(L, 6)]
+    saved = gstate.merge([json.loads(L.state_dict()[STATE_KEY]) for L in first])
+    for r in range(after):
+        resumed = build(tok, r, after, **kw)
+        resumed.load_state_dict({STATE_KEY: json.dumps(saved)})
+        batches += take(resumed, 160 // after)
+    cov = coverage(b["_trace"] for b in batches)
+    assert_no_overlap(cov)  # no conversation twice in an epoch
+    render, usable = ChatRenderer(tok, max_len=64), set()
+    for d, line in enumerate(open(SAMPLE / "chat.jsonl")):
+        try:
+            render.row(json.loads(line))
+            usable.add((0, d, 0))
+        except BadConversation:
+            pass  # no assistant token in its first 64 tokens
+    assert 290 < len(usable) < 300 and {k for k in cov if k[2] == 0} == usable  # none skipped
