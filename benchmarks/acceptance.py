@@ -36,6 +36,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOML = os.path.join(ROOT, "flame/models/fla.toml")
 TOKENIZER = os.path.join(ROOT, "flame/assets/tokenizer")
 CORPUS = os.path.join(ROOT, "flame/assets/sample_corpus")
+SFT_SAMPLE = os.path.join(ROOT, "flame/assets/sft_sample")
 
 
 @dataclass
@@ -145,6 +146,16 @@ def all_rows(steps: int) -> list[Row]:
         extra = ("--activation_checkpoint.mode", "full") if big else ()
         rows.append(Row(f"config_{name}", "configs", f"{name}, {'4' if big else '8'} x 2048, compile",
                         config_run(_cfg(name), steps, 4 if big else 8, 2048, extra), steps, 300))
+    # SFT against pretraining at the same model and batch shape (tokens/s over all positions, and trained ones)
+    sft_data = ",".join(os.path.join(SFT_SAMPLE, f"{n}.jsonl") for n in ("chat", "alpaca", "sharegpt"))
+    varlen = ("--activation_checkpoint.mode", "full", "--training.varlen", "--training.context_len", "2048")
+    rows.append(Row("sft_pretrain_transformer_1B", "sft", "transformer_1B, 4 x 2048 varlen, compile: pretraining "
+                    "(reference for the SFT row)", config_run(_cfg("transformer_1B"), steps, 4, 2048, varlen),
+                    steps, 300))
+    rows.append(Row("sft_transformer_1B", "sft", "transformer_1B, 4 x 2048 varlen, compile: --training.sft on the "
+                    "bundled sample", config_run(_cfg("transformer_1B"), steps, 4, 2048,
+                                                 (*varlen, "--training.sft", "--training.dataset", sft_data)),
+                    steps, 300))
     for name in CONFIGS_7B:
         rows.append(Row(f"config_{name}_offload", "offload", f"{name}, 2 x 2048, --offload.enable auto",
                         config_run(_cfg(name), steps, 2, 2048, ("--offload.enable", "auto",
@@ -225,11 +236,14 @@ def run_row(row: Row, runs: str, cap_s: float) -> dict:
     recs = records(metrics)
     half = recs[len(recs) // 2:] if len(recs) >= 2 else recs
     tps = [r["tokens_per_second"] for r in half if r.get("tokens_per_second")]
+    trained = [r["trained_tokens_per_second"] for r in half if r.get("trained_tokens_per_second")]
     out = {
         "row": row.name, "group": row.group, "what": row.what, "exit": rc, "wall_s": round(wall, 1),
         "first_step_s": None if first_step_s is None else round(first_step_s, 1),
         "steps_logged": len(recs),
         "tokens_per_second": round(statistics.median(tps)) if tps else None,
+        # SFT rows: the same median over the trained (assistant) tokens
+        "trained_tokens_per_second": round(statistics.median(trained)) if trained else None,
         "peak_reserved_gib": round(max((r.get("memory_peak_gib", 0.0) for r in recs), default=0.0), 2) or None,
         "loss_first": recs[0]["loss"] if recs else None,
         "loss_last": recs[-1]["loss"] if recs else None,

@@ -336,6 +336,7 @@ class Trainer(Stateful):
         step_tokens = sum(b["input_ids"].numel() for b in batches)
         self.ntokens_seen += step_tokens
         self.metrics.tokens_since += step_tokens
+        self.metrics.trained_tokens_since += global_tokens  # all DP ranks; a device tensor read at log steps
 
         if self.offload is not None:
             grad_norm, skipped = self.optimizers.step(cfg.training.max_norm, cfg.training.skip_nan_inf)

@@ -37,6 +37,9 @@ class MetricsLogger:
     total_steps: int
     start_step: int = 0
     tokens_since: int = 0
+    trained_tokens_since: object = 0
+    """Targets that count in the loss (labels != -100) on all data-parallel ranks since the last log
+    (an int or a device tensor)."""
     data_time_since: float = 0.0
     skipped_steps: int = 0
     last_time: float = field(default_factory=time.perf_counter)
@@ -104,6 +107,11 @@ class MetricsLogger:
             "step_time": elapsed / steps,
             "skipped_steps": self.skipped_steps,
         }
+        # SFT: tokens/s on the trained (assistant) tokens too, next to all tokens
+        sft = getattr(self.job_config.training, "sft", False)
+        trained_tps = float(self.trained_tokens_since) / elapsed if sft else None
+        if trained_tps is not None:
+            record["trained_tokens_per_second"] = trained_tps
         if self.peak_flops:
             record["mfu_pct"] = 100.0 * tflops * 1e12 / self.peak_flops
         if self.device.type == "cuda":
@@ -129,6 +137,7 @@ class MetricsLogger:
             f"gnorm {grad_norm:7.3f}",
             f"lr {lr:.3e}",
             f"tok/s {tps_global:,.0f} ({tps_local:,.0f}/dev)",
+            *([f"trained tok/s {trained_tps:,.0f}"] if trained_tps is not None else []),
             f"tflops {tflops:.1f}",
         ]
         if "mfu_pct" in record:
@@ -142,6 +151,7 @@ class MetricsLogger:
         logger.info("  ".join(parts))
         self.launch_tokens += self.tokens_since
         self.tokens_since = 0
+        self.trained_tokens_since = 0
         self.data_time_since = 0.0
         self.last_time = now
         self.last_step = step

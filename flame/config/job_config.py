@@ -133,6 +133,13 @@ class Training:
     mask_cross_document_labels: bool = False
     """Ignore (label -100) the prediction that crosses from one document into the next."""
 
+    sft: bool = False
+    """Supervised fine-tuning: the sources hold conversations (chat ``messages``, alpaca
+    ``instruction``/``input``/``output`` or sharegpt ``conversations`` rows), rendered with the
+    tokenizer's chat template (flame's bundled one when it has none); only the assistant tokens are
+    trained and counted. Rows hold whole conversations (several per row with ``varlen``, one without,
+    then padding); a longer one keeps its first ``seq_len`` (varlen: ``context_len``) tokens. See docs/data.md."""
+
     bad_document_policy: Literal["skip", "replace", "error"] = "skip"
     """A text row that is not valid UTF-8: ``skip`` it, ``replace`` the bad bytes with U+FFFD, or
     ``error`` (stop with one line naming the file and row). Skipped/replaced rows are counted per

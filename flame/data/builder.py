@@ -8,7 +8,7 @@ from flame.data.dataset import PackedDataset
 from flame.data.loader import FlameDataLoader
 from flame.data.options import DataOptions, options_from_job_config
 from flame.data.sources import open_source
-from flame.data.tokenizer import boundary_tokens
+from flame.data.tokenizer import boundary_tokens, pad_token_id
 from flame.errors import ConfigError
 
 
@@ -17,11 +17,18 @@ def build_dataloader_from_options(opts: DataOptions, tokenizer: Any, dp_rank: in
     if not (0 <= dp_rank < dp_world_size):
         raise ConfigError(f"dp_rank: {dp_rank} is not in [0, {dp_world_size})")
     boundary = boundary_tokens(tokenizer, opts.boundary_policy)
+    chat = None
+    if opts.sft:
+        from flame.data.chat import ChatRenderer
+
+        # The longest conversation a row can hold: a varlen piece, else the row.
+        chat = ChatRenderer(tokenizer, opts.context_len if opts.varlen else opts.seq_len)
     sources = [open_source(spec, tokenizer, opts.text_column, opts.streaming, opts.split_role,
-                           opts.bad_document_policy, opts.holdout_fraction, opts.validation_from_training)
+                           opts.bad_document_policy, opts.holdout_fraction, opts.validation_from_training, chat)
                for spec in opts.sources]
     validation = opts.split_role == "validation"
-    dataset = PackedDataset(opts, sources, boundary, dp_rank, dp_world_size, with_sources=validation)
+    dataset = PackedDataset(opts, sources, boundary, dp_rank, dp_world_size, with_sources=validation,
+                            pad_id=pad_token_id(tokenizer))
     kwargs: dict[str, Any] = {"num_workers": opts.num_workers, "pin_memory": opts.pin_memory}
     if opts.num_workers > 0:
         kwargs["persistent_workers"] = opts.persistent_workers

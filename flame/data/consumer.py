@@ -11,7 +11,7 @@ import numpy as np
 
 from flame.data.documents import Doc
 from flame.data.layout import Layout
-from flame.data.packing import pack_batch
+from flame.data.packing import pack_batch, pack_conversations
 from flame.data.permute import Permutation, key_of, uniforms
 from flame.data.tokenizer import Boundary
 from flame.errors import ConfigError
@@ -291,5 +291,63 @@ class Consumer:
                 batch["_trace"] = batch_trace
             self.batches += 1
             # State advanced before the batch leaves: resuming from it never replays this batch.
+            batch["_state"] = self.state()
+            yield batch
+
+
+class ConversationConsumer(Consumer):
+    """A consumer of conversations (``training.sft``): rows of whole conversations instead of windows of
+    a token stream. With varlen, conversations are placed back to back while they fit (the one that does
+    not fit opens the next row); without it, a row holds one conversation. The rest of a row is padding.
+    A conversation is never split, so the state's current document is one waiting for the next row
+    (offset 0), and resuming re-reads it like a partial document."""
+
+    def __init__(self, *args, pad_id: int, **kwargs):
+        self.pad_id = pad_id
+        super().__init__(*args, **kwargs)
+
+    def _load_doc(self, s: int, body: Any, start_offset: int, ident: tuple[int, int], extra_offset: int = 0):
+        self.doc = body  # a flame.data.chat.Conversation (truncated by its source)
+        self.doc_src = s
+        self.doc_ident = ident
+        self.doc_pos = max(int(start_offset), int(extra_offset))
+
+    def _fill_row(self, T: int) -> list[tuple[Any, int]]:
+        """(conversation, source) pairs of the next row."""
+        convs, used = [], 0
+        while used < T:
+            if self.doc is None or not self.doc.at(self.doc_pos):
+                self._next_doc()
+            n = len(self.doc)
+            if convs and (not self.opts.varlen or used + n > T):
+                break  # waits for the next row
+            convs.append((self.doc, self.doc_src))
+            self.tokens[self.doc_src] += n
+            if self.trace is not None:
+                self.trace.append((self.doc_src, *self.doc_ident, 0, n))
+            self.doc_pos = n
+            used += n
+        return convs
+
+    def batches_iter(self, with_sources: bool = False) -> Iterator[dict]:
+        import torch
+
+        B, T = self.opts.batch_size, self.opts.seq_len
+        while True:
+            rows = [self._fill_row(T) for _ in range(B)]
+            batch = pack_conversations([[c for c, _ in row] for row in rows], T, self.pad_id,
+                                       varlen=self.opts.varlen, context_len=self.opts.context_len)
+            if with_sources:
+                # Source of each target (padding: 0; its labels are ignored).
+                src = np.zeros((B, T), dtype=np.int64)
+                for b, row in enumerate(rows):
+                    at = 0
+                    for conv, s in row:
+                        src[b, at:at + len(conv)] = s
+                        at += len(conv)
+                batch["_source_ids"] = torch.from_numpy(src)
+            if self.trace is not None:
+                batch["_trace"], self.trace = self.trace, []
+            self.batches += 1
             batch["_state"] = self.state()
             yield batch

@@ -6,7 +6,7 @@ from typing import Any, Iterator, Sequence
 
 from torch.utils.data import IterableDataset, get_worker_info
 
-from flame.data.consumer import Consumer
+from flame.data.consumer import Consumer, ConversationConsumer
 from flame.data.layout import Layout
 from flame.data.options import DataOptions
 from flame.data.state import fresh
@@ -22,13 +22,14 @@ class PackedDataset(IterableDataset):
     """
 
     def __init__(self, opts: DataOptions, sources: Sequence[Any], boundary: Boundary, dp_rank: int,
-                 dp_world_size: int, with_sources: bool = False):
+                 dp_world_size: int, with_sources: bool = False, pad_id: int = 0):
         self.opts = opts
         self.sources = list(sources)
         self.boundary = boundary
         self.dp_rank = dp_rank
         self.dp_world_size = dp_world_size
         self.with_sources = with_sources
+        self.pad_id = pad_id  # fills the end of SFT rows
         self.n = max(1, opts.num_workers)
         self.start = fresh([s.name for s in sources], [s.streaming for s in sources], dp_world_size, opts.num_workers)
         self.rotation = 0
@@ -40,8 +41,11 @@ class PackedDataset(IterableDataset):
         st = self.start
         v = self.dp_rank * self.n + role
         layouts = [Layout.from_state(x) if x is not None else None for x in st["layouts"]]
-        return Consumer(self.sources, layouts, st["streams"], self.opts, self.boundary, v, st["V"], st["gen"],
-                        st["consumers"].get(str(v)))
+        args = (self.sources, layouts, st["streams"], self.opts, self.boundary, v, st["V"], st["gen"],
+                st["consumers"].get(str(v)))
+        if self.opts.sft:
+            return ConversationConsumer(*args, pad_id=self.pad_id)
+        return Consumer(*args)
 
     def __iter__(self) -> Iterator[dict]:
         info = get_worker_info()

@@ -173,11 +173,23 @@ class BadRows:
             if self.policy == "error":
                 raise ConfigError(f"training.bad_document_policy: 'error' stops at {where} "
                                   "(use 'skip' or 'replace' to train past such rows)") from None
-            if not self._logged:
-                self._logged = True
-                what = "skipped" if self.policy == "skip" else "decoded with U+FFFD replacement characters"
-                logger.warning(f"dataloader: {where}; row {what} (training.bad_document_policy={self.policy!r}); "
-                               f"further bad rows of {self.locate.name!r} are counted, not logged")
+            what = "skipped" if self.policy == "skip" else "decoded with U+FFFD replacement characters"
+            self._log_first(where, what)
             if self.policy == "skip":
                 return None, True
             return raw.decode("utf-8", errors="replace"), True
+
+    def reject(self, row: int, reason: str) -> None:
+        """A row that cannot be used at all (e.g. a conversation without an assistant turn): it is
+        skipped under 'skip' and 'replace' (there is nothing to replace), and stops the run under 'error'."""
+        where = f"{self.locate(row)}: {reason}"
+        if self.policy == "error":
+            raise ConfigError(f"training.bad_document_policy: 'error' stops at {where} "
+                              "(use 'skip' to train past such rows)")
+        self._log_first(where, "skipped")
+
+    def _log_first(self, where: str, what: str) -> None:
+        if not self._logged:
+            self._logged = True
+            logger.warning(f"dataloader: {where}; row {what} (training.bad_document_policy={self.policy!r}); "
+                           f"further bad rows of {self.locate.name!r} are counted, not logged")

@@ -40,6 +40,8 @@ class DataOptions:
     boundary_policy: str = "auto"
     mask_cross_document_labels: bool = False
     bad_document_policy: str = "skip"
+    # Rows are conversations (chat, alpaca, sharegpt) trained on their assistant tokens (flame.data.chat).
+    sft: bool = False
     # > 0: sources without a validation split hold out this share of documents for validation
     # (excluded from training; see flame.data.holdout).
     holdout_fraction: float = 0.0
@@ -171,6 +173,7 @@ def options_from_job_config(job_config: Any, split: str = "train") -> DataOption
         boundary_policy=_get(t, "boundary_policy", "auto") or "auto",
         mask_cross_document_labels=bool(_get(t, "mask_cross_document_labels", False)),
         bad_document_policy=_get(t, "bad_document_policy", "skip") or "skip",
+        sft=bool(_get(t, "sft", False)),
         seed=int(seed or 0),
         num_workers=int(_get(t, "num_workers", 0) or 0),
         prefetch_factor=_get(t, "prefetch_factor"),

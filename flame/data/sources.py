@@ -275,16 +275,18 @@ class MapSource:
 
     def __init__(self, name: str, dataset: Any = None, column: str | None = None, token_ids: bool = False,
                  reader: ShardReader | None = None, tokenize: Tokenize | None = None,
-                 bad_rows: BadRows | None = None, rows: np.ndarray | None = None, exclude: float = 0.0):
+                 bad_rows: BadRows | None = None, rows: np.ndarray | None = None, exclude: float = 0.0,
+                 columns: Sequence[str] | None = None):
         """``rows``: read only these rows of the dataset/folder (held-out validation documents);
-        ``exclude``: skip the rows held out at this fraction (training beside such a validation)."""
+        ``exclude``: skip the rows held out at this fraction (training beside such a validation);
+        ``columns``: the columns kept when rows are read whole (``column`` sizes the read-ahead)."""
         self.name = name
         self.reader = reader
         self.column = column
         self.token_ids = token_ids
         self.tokenize = tokenize
         self.bad_rows = bad_rows
-        self.dataset = dataset.select_columns([column]) if dataset is not None else None
+        self.dataset = dataset.select_columns(list(columns or [column])) if dataset is not None else None
         self.rows = None
         if rows is not None and self.dataset is not None:
             self.dataset = self.dataset.select(rows)
@@ -371,10 +373,10 @@ class StreamSource:
     num_docs = None
 
     def __init__(self, name: str, dataset: Any, column: str, token_ids: bool, tokenize: Tokenize | None,
-                 bad_rows: BadRows | None = None, exclude: float = 0.0):
+                 bad_rows: BadRows | None = None, exclude: float = 0.0, columns: Sequence[str] | None = None):
         self.name = name
         self.exclude = exclude  # skip the rows held out for validation at this fraction
-        self.dataset = dataset.select_columns([column])
+        self.dataset = dataset.select_columns(list(columns or [column]))
         self.column = column
         self.token_ids = token_ids
         self.tokenize = tokenize
@@ -414,9 +416,10 @@ class StreamSource:
 
 def open_source(spec: SourceSpec, tokenizer: Any, text_column: str | None, streaming: bool,
                 role: str = "train", bad_document_policy: str = "skip", holdout_fraction: float = 0.0,
-                validation_from_training: bool = False) -> MapSource | StreamSource:
+                validation_from_training: bool = False, chat: Any = None) -> MapSource | StreamSource:
     """``holdout_fraction`` > 0: without a validation split, training skips (and validation reads)
-    the held-out documents (see :mod:`flame.data.holdout`)."""
+    the held-out documents (see :mod:`flame.data.holdout`). ``chat``: a
+    :class:`flame.data.chat.ChatRenderer`; the rows are conversations (``training.sft``)."""
     holdout = False
     if role == "validation" and validation_from_training:
         if has_validation_split(spec):
@@ -432,6 +435,9 @@ def open_source(spec: SourceSpec, tokenizer: Any, text_column: str | None, strea
     split = spec.split or ("validation" if role == "validation" else "train")
     tokenize = Tokenize(tokenizer)
     if os.path.isdir(spec.path) and is_token_folder(spec.path):
+        if chat is not None:
+            raise ConfigError(f"training.sft: {spec.path!r} is a pre-tokenized folder; SFT reads conversation "
+                              "rows (chat, alpaca or sharegpt) from JSONL, parquet or Hugging Face datasets")
         # Token folders are random access already; streaming adds nothing, so they are read map-style.
         reader = ShardReader(spec.path)
         vocab = int(reader.meta.get("tokenizer", {}).get("vocab_size", 0) or 0)
@@ -458,13 +464,27 @@ def open_source(spec: SourceSpec, tokenizer: Any, text_column: str | None, strea
             if first is None:
                 raise ConfigError(f"training.dataset: {spec.path!r} is empty (0 documents)")
             columns = list(first.keys())
+        if chat is not None:
+            from flame.data.chat import format_columns
+            from flame.data.chat_sources import ChatStreamSource
+
+            keep = format_columns(columns, repr(spec.path))
+            return ChatStreamSource(spec.path, ds, keep[0], False, None, bad_rows, exclude=exclude, columns=keep,
+                                    chat=chat)
         column, ids = pick_column(columns, text_column, repr(spec.path))
         return StreamSource(spec.path, ds, column, ids, tokenize, bad_rows, exclude=exclude)
-    column, ids = pick_column(ds.column_names, text_column, repr(spec.path))
     rows = None
     if holdout:
         rows = held_out_rows(len(ds), holdout_fraction)
         _log_holdout(spec.path, len(rows), len(ds), holdout_fraction)
+    if chat is not None:
+        from flame.data.chat import format_columns
+        from flame.data.chat_sources import ChatMapSource
+
+        keep = format_columns(ds.column_names, repr(spec.path))
+        return ChatMapSource(spec.path, dataset=ds, column=keep[0], bad_rows=bad_rows, rows=rows, exclude=exclude,
+                             columns=keep, chat=chat)
+    column, ids = pick_column(ds.column_names, text_column, repr(spec.path))
     return MapSource(spec.path, dataset=ds, column=column, token_ids=ids, tokenize=tokenize, bad_rows=bad_rows,
                      rows=rows, exclude=exclude)
 

@@ -56,6 +56,16 @@ def boundary_tokens(tokenizer: Any, policy: str) -> Boundary:
     return Boundary(bos if need_bos else None, eos if need_eos else None)
 
 
+def pad_token_id(tokenizer: Any) -> int:
+    """The id that fills the unused end of SFT rows (its labels are ignored): the tokenizer's pad
+    token, else its EOS, else 0."""
+    for name in ("pad_token_id", "eos_token_id"):
+        value = getattr(tokenizer, name, None)
+        if value is not None:
+            return int(value)
+    return 0
+
+
 def load_tokenizer(path: str | None) -> Any:
     from transformers import AutoTokenizer
 
