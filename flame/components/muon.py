@@ -60,6 +60,14 @@ def orthogonalized(update: torch.Tensor, group: dict) -> torch.Tensor:
     return whole.redistribute(mesh, update.placements)
 
 
+def _closure_loss(closure):
+    """torch's optimizer contract: ``step(closure)`` re-evaluates the loss with gradients on."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 def _sharded_muon_class():
     base, _, adjust_lr = _torch_muon()
 
@@ -69,10 +77,7 @@ def _sharded_muon_class():
 
         @torch.no_grad()
         def step(self, closure=None):
-            loss = None
-            if closure is not None:
-                with torch.enable_grad():
-                    loss = closure()
+            loss = _closure_loss(closure)
             for group in self.param_groups:
                 params, grads, bufs = [], [], []
                 self._init_group(group, params, grads, bufs)
@@ -122,10 +127,7 @@ class MuonWithAdamW(Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _closure_loss(closure)
         for inner in (self.muon, self.adamw):
             if inner is not None:
                 inner.step()

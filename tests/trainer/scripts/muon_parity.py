@@ -17,9 +17,8 @@ from flame.components.muon import MUON_GROUP, hidden_matrices
 from flame.components.optimizer import build_optimizers
 from flame.config.manager import FlameConfigManager
 from flame.distributed.device import init_process_group, local_device
-from flame.distributed.parallelize import parallelize
-from flame.models import build
 from flame.train import _parallel_dims
+from twins import reference_and_parallel
 
 mode, config = sys.argv[1], sys.argv[2]
 args = ["--model.config", config, "--training.mixed_precision_param", "float32", "--offload.enable", "off",
@@ -31,19 +30,7 @@ device = local_device()
 pd = _parallel_dims(cfg, init_process_group(cfg.comm, "/tmp"))
 rank = dist.get_rank()
 
-mc = build.load_model_config(config)
-ref = build.build_meta_model(mc)
-ref.to_empty(device=device)
-build.init_weights(ref, seed=0)
-state = {k: v.clone() for k, v in ref.state_dict().items()}
-
-model = build.build_meta_model(build.load_model_config(config))
-model, _ = parallelize(model, pd, cfg, device, None)
-model.to_empty(device=device)
-build.init_weights(model, seed=1)
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=False))
+_, ref, model = reference_and_parallel(config, cfg, pd, device)
 
 opt_ref = build_optimizers([ref], cfg.optimizer, device)
 opt = build_optimizers([model], cfg.optimizer, device)
