@@ -19,6 +19,8 @@ output head. Norm scales, biases, convolution kernels (3-D), embeddings and the 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
@@ -68,6 +70,7 @@ def _closure_loss(closure):
         return closure()
 
 
+@functools.cache
 def _sharded_muon_class():
     base, _, adjust_lr = _torch_muon()
 
@@ -79,10 +82,14 @@ def _sharded_muon_class():
         def step(self, closure=None):
             loss = _closure_loss(closure)
             for group in self.param_groups:
-                params, grads, bufs = [], [], []
-                self._init_group(group, params, grads, bufs)
                 lr, wd, mu = float(group["lr"]), group["weight_decay"], group["momentum"]
-                for p, g, buf in zip(params, grads, bufs):
+                for p in group["params"]:
+                    if p.grad is None:
+                        continue
+                    g, state = p.grad, self.state[p]
+                    if "momentum_buffer" not in state:  # torch's name: checkpoints interchange
+                        state["momentum_buffer"] = torch.zeros_like(g)
+                    buf = state["momentum_buffer"]
                     buf.lerp_(g, 1 - mu)
                     update = g.lerp(buf, mu) if group["nesterov"] else buf
                     ortho = orthogonalized(update, group)
