@@ -158,7 +158,12 @@ def test_config_and_tokenizer_follow_init_from(hf_dir):
     from flame.config.manager import FlameConfigManager
     from flame.errors import ConfigError
 
+    from flame.launch import job_args
+
     cfg = FlameConfigManager().parse_args(["--model.init_from", hf_dir])
+    assert (cfg.model.config, cfg.model.tokenizer_path) == (hf_dir, hf_dir)
+    # train.sh's default job names a model and tokenizer of its own: init_from replaces them
+    cfg = FlameConfigManager().parse_args(job_args(["--model.init_from", hf_dir]))
     assert (cfg.model.config, cfg.model.tokenizer_path) == (hf_dir, hf_dir)
     cfg = FlameConfigManager().parse_args(["--model.init_from", hf_dir, "--model.config", TINY_LLAMA])
     assert cfg.model.config == TINY_LLAMA and cfg.model.tokenizer_path == hf_dir
