@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.trainer.helpers import ROOT, TINY_LLAMA, TOKENIZER, losses, run_job, tiny_job, torchrun, train_in_process
+from tests.trainer.helpers import ROOT, TINY_LLAMA, TOKENIZER, losses, run_job, tiny_job, train_in_process
 
 STEPS = ["--training.steps", "2", "--lr_scheduler.total_steps", "4"]
 
@@ -109,12 +109,14 @@ def test_resume_ignores_init_from(one_device, tmp_path, caplog):
     assert any("ignored, the run resumes from its own checkpoint (step 2)" in r.getMessage() for r in caplog.records)
 
 
-def test_vocabulary_raised_by_the_tokenizer_is_one_line(tmp_path):
+def test_vocabulary_raised_by_the_tokenizer_is_one_line(tmp_path, capsys):
+    from flame.train import main
+
     small = _save_tiny_llama(tmp_path / "small", 256, seed=1)  # the tokenizer's 8192 ids raise it
     dump = str(tmp_path / "run")
-    proc = torchrun(1, ["-m", "flame.train", *tiny_job(dump, "--model.init_from", small, *STEPS, config=small)])
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("flame: error:")]
-    assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-3000:]
+    code = main(tiny_job(dump, "--model.init_from", small, *STEPS, config=small))
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("flame: error:")]
+    assert code == 2 and len(errors) == 1, errors
     assert "tensor model.embed_tokens.weight is [256, 64] in the checkpoint, [8192, 64] in this model" in errors[0]
     assert not os.path.exists(os.path.join(dump, "checkpoint"))
 
