@@ -60,9 +60,16 @@ def default_job(root: str = ROOT) -> list[str]:
 
 def job_args(user_args: list[str]) -> list[str]:
     """The user's options on top of the default job; a user TOML replaces the default job whole."""
-    if any(a.split("=", 1)[0] in ("--job.config_file", "--job.config-file") for a in user_args):
+    keys = {"--" + a[2:].split("=", 1)[0].replace("-", "_") for a in user_args if a.startswith("--")}
+    if "--job.config_file" in keys:
         return list(user_args)
-    return default_job() + list(user_args)
+    base = default_job()
+    if "--model.init_from" in keys:
+        # the model and its tokenizer come from the init_from folder (flame.components.init_from)
+        for option in ("--model.config", "--model.tokenizer_path"):
+            i = base.index(option)
+            del base[i:i + 2]
+    return base + list(user_args)
 
 
 def _children(pid: int) -> list[int]:

@@ -206,6 +206,11 @@ class Trainer(Stateful):
             from flame.components.optimizer import param_groups
             from flame.offload.adapter import EngineModelState, EngineOptimizers
 
+            if cfg.optimizer.name == "Muon":  # offload.enable auto chose to offload
+                from flame.components.muon import offload_unsupported
+
+                raise offload_unsupported(cfg.offload.enable)
+
             groups = param_groups(model, cfg.optimizer.weight_decay, cfg.optimizer.no_weight_decay)
             self.optimizers = EngineOptimizers(self.offload, cfg.optimizer.lr, len(groups))
         else:
@@ -415,7 +420,11 @@ class Trainer(Stateful):
     def train(self) -> int:
         """Train to ``training.steps``; returns the exit code (0, or 128 + signal after a stop request)."""
         cfg = self.cfg
-        self.checkpointer.load(step=cfg.checkpoint.load_step)
+        resumed = self.checkpointer.load(step=cfg.checkpoint.load_step)
+        if cfg.model.init_from:
+            from flame.components.init_from import load_init_from
+
+            load_init_from(self, resumed)
         if cfg.checkpoint.create_seed_checkpoint:
             self.checkpointer.save(curr_step=0, last_step=True)
             logger.info("Created seed checkpoint")

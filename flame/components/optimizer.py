@@ -1,4 +1,5 @@
-"""AdamW/Adam with parameter groups, in torchtitan's OptimizersContainer (so DCP saves it)."""
+"""AdamW/Adam (or Muon with AdamW, ``flame.components.muon``) with parameter groups, in torchtitan's
+OptimizersContainer (so DCP saves it)."""
 
 import torch
 from torch import nn
@@ -7,8 +8,9 @@ from torch.optim import Optimizer
 from torchtitan.components.optimizer import OptimizersContainer
 
 
-def param_groups(model: nn.Module, weight_decay: float, no_decay: list[str]) -> list[dict]:
-    """Split trainable parameters into decayed and non-decayed groups.
+def param_groups(model: nn.Module, weight_decay: float, no_decay: list[str], select=None) -> list[dict]:
+    """Split trainable parameters (those ``select(param)`` accepts, when given) into decayed and
+    non-decayed groups.
 
     1-D tensors (norm scales, biases) and names containing a ``no_decay`` substring
     (embeddings by default) get no weight decay: decaying them only hurts.
@@ -17,7 +19,7 @@ def param_groups(model: nn.Module, weight_decay: float, no_decay: list[str]) -> 
     patterns = [p for p in no_decay if p]
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)} if "embed" in patterns else set()
     for name, p in model.named_parameters():
-        if not p.requires_grad:
+        if not p.requires_grad or (select is not None and not select(p)):
             continue
         if p.ndim < 2 or id(p) in embeddings or any(s in name.lower() for s in patterns):
             skip.append(p)
@@ -60,30 +62,42 @@ def clip_grad_norm_(params, max_norm: float, norm_type: float = 2.0, foreach: bo
 
 
 class GroupedOptimizersContainer(OptimizersContainer):
-    """One optimizer per model part, each with decay/no-decay groups."""
+    """One optimizer per model part, each with decay/no-decay groups (``make(model)`` builds it)."""
 
-    def __init__(self, model_parts: list[nn.Module], optimizer_cls, kwargs: dict, no_decay: list[str]):
+    def __init__(self, model_parts: list[nn.Module], make, kwargs: dict):
         self.model_parts = model_parts
-        self.optimizers = []
-        all_groups = []
-        for model in model_parts:
-            groups = param_groups(model, kwargs["weight_decay"], no_decay)
-            self.optimizers.append(optimizer_cls(groups, **kwargs))
-            all_groups.extend(groups)
+        self.optimizers = [make(model) for model in model_parts]
+        all_groups = [g for opt in self.optimizers for g in opt.param_groups]
         self._validate_length(len(model_parts))
         # Optimizer.__init__ sets up hooks and param_groups that the LR scheduler drives
         Optimizer.__init__(self, [dict(g) for g in all_groups], kwargs)
 
 
 def build_optimizers(model_parts: list[nn.Module], optimizer_config, device: torch.device) -> GroupedOptimizersContainer:
-    cls = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}[optimizer_config.name]
-    impl = optimizer_config.implementation
+    c = optimizer_config
+    impl = c.implementation
     kwargs = {
-        "lr": optimizer_config.lr,
-        "betas": (optimizer_config.beta1, optimizer_config.beta2),
-        "eps": optimizer_config.eps,
-        "weight_decay": optimizer_config.weight_decay,
+        "lr": c.lr,
+        "betas": (c.beta1, c.beta2),
+        "eps": c.eps,
+        "weight_decay": c.weight_decay,
         "fused": impl == "fused",
         "foreach": impl == "foreach",
     }
-    return GroupedOptimizersContainer(model_parts, cls, kwargs, optimizer_config.no_weight_decay)
+    if c.name == "Muon":
+        from flame.components.muon import MuonWithAdamW, hidden_matrices
+
+        muon_kwargs = {"lr": c.lr if c.muon_lr is None else c.muon_lr, "weight_decay": c.weight_decay,
+                       "momentum": c.muon_momentum, "adjust_lr_fn": c.muon_adjust_lr}
+
+        def make(model):
+            hidden = hidden_matrices(model)
+            return MuonWithAdamW(param_groups(model, c.weight_decay, c.no_weight_decay, lambda p: id(p) in hidden),
+                                 param_groups(model, c.weight_decay, c.no_weight_decay, lambda p: id(p) not in hidden),
+                                 muon_kwargs, kwargs)
+    else:
+        cls = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}[c.name]
+
+        def make(model):
+            return cls(param_groups(model, c.weight_decay, c.no_weight_decay), **kwargs)
+    return GroupedOptimizersContainer(model_parts, make, kwargs)

@@ -39,12 +39,35 @@ class Model:
     """When the tokenizer has more tokens than the config's vocab_size, the vocab is raised to
     ``len(tokenizer)`` rounded up to this multiple (keeps the embedding/head matmuls aligned)."""
 
+    init_from: str = ""
+    """Start from the weights of a Hugging Face model: a local folder with safetensors weights
+    (``model.safetensors`` or an index of shards; pickle ``.bin`` files are refused) or a hub id
+    found in the local Hugging Face cache (never downloaded). Loaded before the first step on any
+    parallelism and with offload; ignored (one log line) when the run resumes from its own
+    checkpoint. Given on the command line without ``--model.config`` / ``--model.tokenizer_path``,
+    the model config and (when the folder has one) the tokenizer are the folder's. Every tensor
+    must match the model's name and shape, or the run stops naming it."""
+
 
 @dataclass
 class Optimizer:
     no_weight_decay: list[str] = field(default_factory=lambda: ["bias", "norm", "embed"])
     """Parameters whose name contains one of these substrings (or that are 1-D) get no weight
     decay. Pass an empty string to decay everything."""
+
+    muon_lr: float | None = None
+    """``optimizer.name Muon``: peak learning rate of the hidden 2-D matrices that Muon updates
+    (the other parameters use ``optimizer.lr`` with AdamW); default: ``optimizer.lr``, which suits
+    ``muon_adjust_lr match_rms_adamw``. The LR schedule scales both the same way."""
+
+    muon_momentum: float = 0.95
+    """``optimizer.name Muon``: momentum of Muon's (Nesterov) momentum buffer."""
+
+    muon_adjust_lr: Literal["match_rms_adamw", "original"] = "match_rms_adamw"
+    """``optimizer.name Muon``: how the learning rate of an A x B matrix is scaled.
+    ``match_rms_adamw``: by 0.2 * sqrt(max(A, B)), so that the update has the RMS of an AdamW
+    update and AdamW's learning rate and weight decay carry over; ``original``: by
+    sqrt(max(1, A / B)) (wants a larger ``muon_lr``, e.g. 0.02)."""
 
 
 @dataclass

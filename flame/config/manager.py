@@ -79,6 +79,7 @@ DEFAULT_TOML = os.path.join(PACKAGE_ROOT, "flame", "models", "fla.toml")
 PATH_OPTIONS = {
     "model.config": False,
     "model.tokenizer_path": False,
+    "model.init_from": False,
     "training.dataset": True,
     "training.data_files": True,
     "validation.dataset": True,
@@ -332,6 +333,9 @@ class FlameConfigManager(ConfigManager):
             sec = getattr(config, section)
             setattr(sec, name, resolve_path_option(key, getattr(sec, name), cwd_then_package))
         resolve_aliases(config, given)
+        from flame.components.init_from import follow_init_from
+
+        follow_init_from(config, given)
         validate(config)
         return config
 
@@ -415,8 +419,12 @@ def validate(cfg) -> None:
         raise ConfigError(f"lr_scheduler.decay_ratio {cfg.lr_scheduler.decay_ratio}: must be in [0, 1]")
     if cfg.optimizer.lr <= 0:
         raise ConfigError(f"optimizer.lr {cfg.optimizer.lr}: must be > 0")
-    if cfg.optimizer.name not in ("AdamW", "Adam"):
-        raise ConfigError(f"optimizer.name {cfg.optimizer.name!r}: supported are AdamW, Adam")
+    if cfg.optimizer.name not in ("AdamW", "Adam", "Muon"):
+        raise ConfigError(f"optimizer.name {cfg.optimizer.name!r}: supported are AdamW, Adam, Muon")
+    if cfg.optimizer.name == "Muon":
+        from flame.components.muon import check_muon_options
+
+        check_muon_options(cfg)
     if cfg.checkpoint.keep_latest_k < 0:
         raise ConfigError(f"checkpoint.keep_latest_k {cfg.checkpoint.keep_latest_k}: must be >= 0")
     if cfg.checkpoint.hf_upload_enabled and not cfg.checkpoint.hf_repo_base_name:

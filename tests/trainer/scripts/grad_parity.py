@@ -15,10 +15,9 @@ from torch.distributed.tensor import DTensor
 
 from flame.components.loss import IGNORE_INDEX, cross_entropy_sum
 from flame.distributed.device import init_process_group, local_device
-from flame.distributed.parallelize import parallelize
 from flame.config.manager import FlameConfigManager
-from flame.models import build
 from flame.train import Trainer, _parallel_dims, all_sum
+from twins import reference_and_parallel
 
 mode, config = sys.argv[1], sys.argv[2]
 args = ["--model.config", config, "--training.mixed_precision_param", "float32", "--offload.enable", "off"]
@@ -33,23 +32,7 @@ world = init_process_group(cfg.comm, "/tmp")
 pd = _parallel_dims(cfg, world)
 rank = dist.get_rank()
 
-mc = build.load_model_config(config)
-torch.manual_seed(0)
-ref = build.build_meta_model(mc)
-ref.to_empty(device=device)
-build.init_weights(ref, seed=0)
-state = {k: v.clone() for k, v in ref.state_dict().items()}
-
-model = build.build_meta_model(build.load_model_config(config))
-model, _ = parallelize(model, pd, cfg, device, None)
-model.to_empty(device=device)
-build.init_weights(model, seed=1)  # also re-creates non-persistent buffers (rotary inv_freq)
-if mode == "ddp":
-    model.load_state_dict(state)
-else:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=False))
+mc, ref, model = reference_and_parallel(config, cfg, pd, device)
 
 g = torch.Generator().manual_seed(123)
 ids = torch.randint(0, mc.vocab_size, (4, 16), generator=g)

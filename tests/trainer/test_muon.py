@@ -1,0 +1,125 @@
+"""``--optimizer.name Muon``: Muon's update against a float64 reference of its formula and against
+torch.optim.Muon; a sharded model (FSDP2 / TP on 2 gloo ranks) updates as one device does; a run
+split at step 2 and resumed gives the uninterrupted run's losses; offload is refused in one line."""
+
+import math
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from tests.trainer.helpers import ROOT, TINY_LLAMA, losses, tiny_job, torchrun, train_in_process
+
+torch_muon = pytest.importorskip("torch.optim._muon")
+
+NS = (3.4445, -4.7750, 2.0315)  # the quintic Newton-Schulz coefficients of the Muon write-up
+
+
+def ns_float64(m: torch.Tensor, steps: int = 5) -> torch.Tensor:
+    """X <- a X + (b A + c A^2) X with A = X X^T, from X = M / ||M||_F (transposed when tall)."""
+    a, b, c = NS
+    x = m.double()
+    tall = x.shape[0] > x.shape[1]
+    x = x.T if tall else x
+    x = x / x.norm().clamp(min=1e-7)
+    for _ in range(steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.T if tall else x
+
+
+def _torch_ns(m: torch.Tensor) -> torch.Tensor:
+    return torch_muon._zeropower_via_newtonschulz(m, NS, 5, 1e-7).double()
+
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, 8)
+        self.up = nn.Linear(8, 24)  # weight 24 x 8 (tall), bias 1-D
+        self.down = nn.Linear(24, 8, bias=False)  # 8 x 24 (wide)
+
+
+def _config(**kw):
+    base = dict(name="Muon", lr=0.01, muon_lr=0.02, muon_momentum=0.9, muon_adjust_lr="match_rms_adamw",
+                beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, no_weight_decay=["bias", "norm", "embed"],
+                implementation="for-loop")
+    return SimpleNamespace(**{**base, **kw})
+
+
+@pytest.mark.parametrize("adjust", ["match_rms_adamw", "original"])
+def test_update_is_the_formula_and_torch_muon(adjust):
+    from flame.components.optimizer import build_optimizers
+
+    torch.manual_seed(0)
+    model = Tiny()
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = build_optimizers([model], _config(muon_adjust_lr=adjust), torch.device("cpu"))
+    twin = {n: p.detach().clone().requires_grad_() for n, p in model.named_parameters()}
+    torch_opt = torch.optim.Muon([twin["up.weight"], twin["down.weight"]], lr=0.02, weight_decay=0.1, momentum=0.9,
+                                 adjust_lr_fn=adjust)
+    grads = [{n: torch.randn(p.shape) for n, p in model.named_parameters()} for _ in range(2)]
+    for g in grads:
+        for n, p in model.named_parameters():
+            p.grad = g[n].clone()
+            twin[n].grad = g[n].clone()
+        opt.step()
+        torch_opt.step()
+
+    params = dict(model.named_parameters())
+    for n in ("up.weight", "down.weight"):
+        # torch.optim.Muon on the same matrix: the very same numbers
+        assert torch.equal(params[n], twin[n]), n
+        # float64 reference: momentum B = mu B + (1 - mu) G, Nesterov U = (1 - mu) G + mu B,
+        # W <- W (1 - lr wd) - lr_adj NS(U), two steps
+        a, b = start[n].shape
+        scale = 0.2 * math.sqrt(max(a, b)) if adjust == "match_rms_adamw" else math.sqrt(max(1, a / b))
+        for ns, tol in ((ns_float64, 3e-2), (_torch_ns, 2e-5)):
+            w, buf = start[n].double(), torch.zeros(a, b, dtype=torch.float64)
+            for g in grads:
+                buf = 0.9 * buf + 0.1 * g[n].double()
+                w = w * (1 - 0.02 * 0.1) - 0.02 * scale * ns(0.1 * g[n].double() + 0.9 * buf)
+            moved, ref = params[n].double() - start[n].double(), w - start[n].double()
+            # Newton-Schulz runs in bfloat16 (as in torch): the float64 iteration agrees to that
+            # precision (1.4e-2 measured); with torch's iteration in the float64 composition, to the
+            # float32 rounding of the weights (2.3e-6 measured)
+            err = ((moved - ref).norm() / ref.norm()).item()
+            assert err < tol, (n, ns.__name__, err)
+    # embeddings and biases: AdamW (its own lr), untouched by Muon
+    adamw = torch.optim.AdamW([twin["embed.weight"], twin["up.bias"]], lr=0.01, betas=(0.9, 0.95), eps=1e-8,
+                              weight_decay=0.0, foreach=False)
+    for n in ("embed.weight", "up.bias"):
+        twin[n].data.copy_(start[n])
+    for g in grads:
+        for n in ("embed.weight", "up.bias"):
+            twin[n].grad = g[n].clone()
+        adamw.step()
+    for n in ("embed.weight", "up.bias"):
+        assert torch.equal(params[n], twin[n]), n
+
+
+@pytest.mark.parametrize("mode", ["fsdp", pytest.param("tp", marks=pytest.mark.slow)])
+def test_sharded_update_equals_one_device(mode):
+    proc = torchrun(2, [os.path.join(ROOT, "tests/trainer/scripts/muon_parity.py"), mode, TINY_LLAMA], timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert proc.stdout.count("muon update equals one device") == 2
+
+
+def test_resume_is_exact(tmp_path):
+    common = ["--optimizer.name", "Muon", "--lr_scheduler.total_steps", "4", "--checkpoint.interval", "2"]
+    full, split = str(tmp_path / "full"), str(tmp_path / "split")
+    train_in_process(tiny_job(full, "--training.steps", "4", *common))
+    train_in_process(tiny_job(split, "--training.steps", "2", *common))
+    train_in_process(tiny_job(split, "--training.steps", "4", *common))  # resumes from step-2
+    assert losses(split) == losses(full) and len(losses(full)) == 4
+    assert losses(full)[-1] < losses(full)[0]
+
+
+def test_offload_is_refused_in_one_line():
+    from flame.config.manager import FlameConfigManager
+    from flame.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="optimizer.name Muon with offload.enable on: the offload engine"):
+        FlameConfigManager().parse_args(["--optimizer.name", "Muon", "--offload.enable", "on"])
