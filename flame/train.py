@@ -240,7 +240,7 @@ class Trainer(Stateful):
         if cfg.lora.rank > 0 and cfg.lora.dropout > 0:  # the dropout masks continue on resume
             from flame.lora.rng import GeneratorState
 
-            self.checkpointer.states["lora_rng"] = GeneratorState(self.device)
+            self.checkpointer.states["lora_rng"] = GeneratorState(model, self.device)
 
         from flame.models.flops import flops_per_token
 
