@@ -16,8 +16,6 @@ import tempfile
 
 import torch
 
-from flame.lora.layer import is_adapter_key
-
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
@@ -38,15 +36,6 @@ def adapted_weights(keys) -> list[str]:
 def merge_weight(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
     """``W + scale * B @ A`` in float32."""
     return weight.float() + scale * (b.float() @ a.float())
-
-
-def merged_state_dict(state: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
-    """The state dict with every adapter merged into its base weight and the adapter keys dropped."""
-    out = {k: v for k, v in state.items() if not is_adapter_key(k)}
-    for w in adapted_weights(state):
-        a, b = adapter_keys(w)
-        out[w] = merge_weight(state[w], state[a], state[b], scale)
-    return out
 
 
 def peft_target_modules(adapted: list[str], all_linears: list[str]) -> list[str] | str:

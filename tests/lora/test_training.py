@@ -8,7 +8,7 @@ import torch
 
 from flame.errors import ConfigError
 from flame.lora import is_adapter_key
-from tests.trainer.helpers import CORPUS, TOKENIZER, losses, run_job, tiny_job, torchrun, train_in_process
+from tests.trainer.helpers import losses, run_job, tiny_job, torchrun, train_in_process
 
 LORA = ["--lora.rank", "4", "--lora.alpha", "8", "--optimizer.lr", "1e-2"]
 
