@@ -103,3 +103,26 @@ def test_lora_with_offload_on_is_one_error_line(tmp_path):
                                                         "--offload.enable", "on")], timeout=120)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("flame: error:")]
     assert proc.returncode == 2 and len(errors) == 1 and "offload.enable on" in errors[0], proc.stderr[-2000:]
+
+
+def test_lora_on_a_converted_hf_base_keeps_the_base_and_trains(tmp_path):
+    from transformers import AutoTokenizer
+
+    from flame.models import build
+    from flame.utils.hf_export import export_hf, hf_to_dcp
+    from tests.trainer.helpers import TINY_LLAMA, TOKENIZER
+
+    # an HF folder with weights the run's seed does not draw, converted into the run's step-0 (the
+    # two-command start from HF weights)
+    config = build.load_model_config(TINY_LLAMA)
+    build.fit_vocab(config, len(AutoTokenizer.from_pretrained(TOKENIZER)), 64)
+    base = build.build_meta_model(config)
+    base.to_empty(device="cpu")
+    build.init_weights(base, seed=7)
+    hf = export_hf(base.state_dict(), config, TOKENIZER, str(tmp_path / "hf"), dtype="float32")
+    dump = str(tmp_path / "run")
+    hf_to_dcp(hf, os.path.join(dump, "checkpoint", "step-0"))
+    trainer = train_in_process(tiny_job(dump, *LORA, "--training.steps", "2", "--checkpoint.interval", "2"))
+    got, want = trainer.model.state_dict(), base.state_dict()
+    assert all(torch.equal(got[k], v) for k, v in want.items())  # the base loaded, then frozen
+    assert any(got[k].any() for k in got if k.endswith(".lora_B"))  # the fresh adapters trained
