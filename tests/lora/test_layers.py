@@ -12,7 +12,17 @@ from flame.lora import Lora, LoRALinear, apply_lora, is_adapter_key
 from tests.trainer.helpers import ROOT, TINY_LLAMA, TOKENIZER
 
 TRANSFORMER = os.path.join(ROOT, "configs/debug/transformer_tiny.json")
+GLA = os.path.join(ROOT, "configs/debug/gla.json")
 CONFIGS = pytest.mark.parametrize("config", [TINY_LLAMA, TRANSFORMER], ids=["hf_llama", "flame_transformer"])
+# an FLA family too (its layers' torch fallbacks on CPU, as the trainer enables them)
+WITH_FLA = pytest.mark.parametrize("config", [TINY_LLAMA, TRANSFORMER, GLA], ids=["hf_llama", "flame_transformer", "fla_gla"])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cpu_fallbacks():
+    from flame.models.cpu import enable_cpu_fallbacks
+
+    enable_cpu_fallbacks()
 
 
 def _model(config: str, lora: Lora | None = None, seed: int = 0):
@@ -42,7 +52,7 @@ def _trained(model, seed=2):
     return model
 
 
-@CONFIGS
+@WITH_FLA
 def test_at_init_the_adapted_model_is_the_base_model_and_only_adapters_train(config):
     base = _model(config)
     adapted = _model(config, Lora(rank=4, alpha=8.0))
@@ -53,7 +63,8 @@ def test_at_init_the_adapted_model_is_the_base_model_and_only_adapters_train(con
     trainable = {n for n, p in adapted.named_parameters() if p.requires_grad}
     assert trainable == {k for k in sd if is_adapter_key(k)} and trainable
     layers = [m for m in adapted.modules() if isinstance(m, LoRALinear)]
-    assert len(layers) == 7 * adapted.config.num_hidden_layers  # q k v o gate up down in every block
+    # q k v o gate up down in every block (GLA: also its output gate g_proj)
+    assert len(layers) == (8 if config == GLA else 7) * adapted.config.num_hidden_layers
     assert all(m.lora_A.abs().max() > 0 and not m.lora_B.any() for m in layers)
     ids = _ids(base)
     with torch.no_grad():
@@ -97,7 +108,7 @@ def test_default_targets_cover_the_attention_and_mlp_of_fla_and_hf_families(fami
     assert not any(getattr(m, "fuse_swiglu", False) for m in model.modules())
 
 
-@CONFIGS
+@WITH_FLA
 def test_merged_export_computes_the_adapted_model(config, tmp_path):
     from transformers import AutoModelForCausalLM
 
