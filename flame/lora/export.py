@@ -60,7 +60,7 @@ def write_peft_adapters(adapters: dict[str, torch.Tensor], lora, linear_names: l
     """
     from safetensors.torch import save_file
 
-    from flame.utils.hf_export import _apply_umask
+    from flame.utils.hf_export import apply_umask
 
     tensors, adapted = {}, []
     for w in adapted_weights(adapters):
@@ -94,7 +94,7 @@ def write_peft_adapters(adapters: dict[str, torch.Tensor], lora, linear_names: l
         save_file(tensors, os.path.join(tmp, ADAPTER_WEIGHTS), metadata={"format": "pt"})
         with open(os.path.join(tmp, ADAPTER_CONFIG), "w") as f:
             json.dump(config, f, indent=2)
-        _apply_umask(tmp)
+        apply_umask(tmp)
         if os.path.exists(out_dir):
             shutil.rmtree(out_dir)
         os.rename(tmp, out_dir)

@@ -126,11 +126,11 @@ def _adapter_seed(seed: int, name: str) -> int:
 @torch.no_grad()
 def init_adapters(model: nn.Module, seed: int | None = None) -> None:
     """A uniform in +-1/sqrt(in_features) from a per-layer generator, B zero (see the module doc)."""
-    from flame.models.constructor_init import _assign
+    from flame.models.constructor_init import assign_full
 
     for name, layer in lora_layers(model):
         gen = torch.Generator().manual_seed(_adapter_seed(seed or 0, name))
         bound = 1.0 / math.sqrt(layer.in_features)
         a = torch.empty(layer.lora_A.shape).uniform_(-bound, bound, generator=gen)
-        _assign(layer.lora_A, a)
-        _assign(layer.lora_B, torch.zeros(layer.lora_B.shape))
+        assign_full(layer.lora_A, a)
+        assign_full(layer.lora_B, torch.zeros(layer.lora_B.shape))

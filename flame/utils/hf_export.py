@@ -232,7 +232,7 @@ def _umask_modes() -> tuple[int, int]:
     return 0o777 & ~mask, 0o666 & ~mask
 
 
-def _apply_umask(folder: str) -> None:
+def apply_umask(folder: str) -> None:
     """mkdtemp makes 0700 folders and safetensors 0600 files: give them what the umask allows."""
     dir_mode, file_mode = _umask_modes()
     for root, _, files in os.walk(folder):
@@ -355,7 +355,7 @@ def export_hf(model_state_dict_or_checkpoint_dir: dict[str, torch.Tensor] | str,
             with open(os.path.join(tmp, name), 'w') as f:
                 f.write(text)
         _save_tokenizer(tokenizer, tmp)
-        _apply_umask(tmp)
+        apply_umask(tmp)
         if os.path.exists(out_dir):
             old = tempfile.mkdtemp(prefix=f'.{os.path.basename(out_dir)}.old-', dir=parent)
             os.rename(out_dir, os.path.join(old, 'x'))
