@@ -77,7 +77,7 @@ def _parallel_dims(cfg, world_size: int) -> ParallelDims:
         ) from None
 
 
-def _init_like_one_process(model, model_config, seed: int, varlen: bool) -> None:
+def _init_like_one_process(model, model_config, seed: int, varlen: bool, lora=None) -> None:
     """Give a sharded model on CPU the weights one process would draw from ``seed``.
 
     DTensor random ops have no RNG tracker on CPU meshes, so every rank draws the same local
@@ -87,6 +87,10 @@ def _init_like_one_process(model, model_config, seed: int, varlen: bool) -> None
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     full = model_build.build_meta_model(model_config, varlen=varlen)
+    if lora is not None and lora.rank > 0:
+        from flame.lora import apply_lora
+
+        apply_lora(full, lora)
     full.to_empty(device="cpu")
     model_build.init_weights(full, seed)
     opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
@@ -173,6 +177,10 @@ class Trainer(Stateful):
         model = model_build.build_meta_model(self.model_config, varlen=t.varlen)
         model_build.check_position_limit(model, self.model_config, *((t.context_len, "training.context_len")
                                          if t.varlen else (t.seq_len, "training.seq_len")))
+        if cfg.lora.rank > 0:  # on the meta model, before parallelize: FSDP2 shards the adapters with their blocks
+            from flame.lora import apply_lora
+
+            logger.info(apply_lora(model, cfg.lora))
         self.loss_auto = t.loss_chunk_tokens == -1
         if self.loss_auto:  # chosen before the offload planner, which measures the loss it will run
             t.loss_chunk_tokens, why = choose_loss_chunk_tokens(
@@ -189,7 +197,7 @@ class Trainer(Stateful):
             model.to_empty(device=self.device)
             model_build.init_weights(model, seed)
             if self.device.type == "cpu" and any(isinstance(p, DTensor) for p in model.parameters()):
-                _init_like_one_process(model, self.model_config, seed, t.varlen)
+                _init_like_one_process(model, self.model_config, seed, t.varlen, cfg.lora)
         model.train()
         self.model = model
         self.chunked_head = None
@@ -237,6 +245,10 @@ class Trainer(Stateful):
         )
         if self.offload is not None:
             self.checkpointer.states["model"] = EngineModelState(self.offload)
+        if cfg.lora.rank > 0 and cfg.lora.dropout > 0:  # the dropout masks continue on resume
+            from flame.lora.rng import GeneratorState
+
+            self.checkpointer.states["lora_rng"] = GeneratorState(model, self.device)
 
         from flame.models.flops import flops_per_token
 

@@ -392,6 +392,26 @@ class FlameCheckpointManager(CheckpointManager):
                       entry.path)
         return True
 
+    def _states_to_load(self, model_only: bool):
+        self._model_only_load = model_only
+        return super()._states_to_load(model_only)
+
+    def dcp_load(self, state_dict, checkpoint_id, from_hf, from_quantized):
+        if getattr(self, "_model_only_load", False) and not from_hf:
+            # a model-only checkpoint without LoRA adapters (a base converted with convert_hf_to_dcp,
+            # or a pretraining run's): a LoRA run starts its adapters from their init
+            from torch.distributed.checkpoint import FileSystemReader
+
+            from flame.lora import is_adapter_key
+
+            saved = FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata
+            fresh = [k for k in state_dict if is_adapter_key(k) and k not in saved]
+            if fresh:
+                self._warn(f"checkpoint: {checkpoint_id} holds no LoRA adapters; {len(fresh)} adapter tensors "
+                           "keep their initialization")
+                state_dict = {k: v for k, v in state_dict.items() if k not in fresh}
+        return super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
+
     @staticmethod
     def _guarded(fn, where: str):
         """DCP's shape and key errors as one line naming the tensor (resuming with another model config)."""

@@ -22,9 +22,12 @@ def export_trained_model(trainer, out_dir: str | None = None) -> str:
         state = {k: v.detach().cpu() for k, v in trainer.offload.model_state_dict().items()}
     else:
         state = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    lora = cfg.lora if cfg.lora.rank > 0 else None  # adapters merged into the weights; PEFT files on request
+    adapter_dir = f"{out_dir.rstrip(os.sep)}_adapter" if lora is not None and lora.export_adapters else None
     if torch.distributed.get_rank() == 0:
-        export_hf(state, trainer.model_config, trainer.tokenizer, out_dir, dtype=cfg.checkpoint.export_dtype, overwrite=True)
-        logger.info(f"Exported Hugging Face model to {out_dir}")
+        export_hf(state, trainer.model_config, trainer.tokenizer, out_dir, dtype=cfg.checkpoint.export_dtype, overwrite=True,
+                  lora=lora, adapter_dir=adapter_dir, base_model=getattr(cfg.model, "init_from", None) or None)
+        logger.info(f"Exported Hugging Face model to {out_dir}" + (" (LoRA merged)" if lora is not None else ""))
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
     return out_dir

@@ -10,6 +10,7 @@ torchtitan field they stand for by ``flame.config.manager.resolve_aliases``.
 from dataclasses import dataclass, field
 from typing import Literal
 
+from flame.lora.config import Lora
 from flame.offload.config import Offload
 
 
@@ -276,3 +277,4 @@ class JobConfig:
     validation: Validation = field(default_factory=Validation)
     probes: Probes = field(default_factory=Probes)
     offload: Offload = field(default_factory=Offload)
+    lora: Lora = field(default_factory=Lora)

@@ -440,6 +440,30 @@ def validate(cfg) -> None:
         raise ConfigError(f"checkpoint.interval {cfg.checkpoint.interval}: must be >= 1")
     if cfg.metrics.log_freq < 1:
         raise ConfigError(f"metrics.log_freq {cfg.metrics.log_freq}: must be >= 1")
+    validate_lora(cfg)
+
+
+def validate_lora(cfg) -> None:
+    lora = cfg.lora
+    if lora.rank < 0:
+        raise ConfigError(f"lora.rank {lora.rank}: must be >= 0 (0: LoRA off)")
+    if lora.rank == 0:
+        if lora.export_adapters:
+            raise ConfigError("lora.export_adapters needs LoRA on: set lora.rank > 0")
+        return
+    if lora.alpha <= 0:
+        raise ConfigError(f"lora.alpha {lora.alpha}: must be > 0")
+    if not 0.0 <= lora.dropout < 1.0:
+        raise ConfigError(f"lora.dropout {lora.dropout}: must be in [0, 1)")
+    if not any(lora.targets):
+        raise ConfigError("lora.targets is empty: name the linear layers that get adapters (e.g. q_proj,v_proj)")
+    if cfg.offload.enable == "on":
+        raise ConfigError(f"lora.rank {lora.rank} with offload.enable on: LoRA does not run on the offload engine "
+                          "yet; set offload.enable auto or off")
+    if cfg.parallelism.tensor_parallel_degree > 1:
+        raise ConfigError(f"lora.rank {lora.rank} with parallelism.tensor_parallel_degree "
+                          f"{cfg.parallelism.tensor_parallel_degree}: LoRA does not support tensor parallelism; "
+                          "use FSDP (data_parallel_shard_degree)")
 
 
 def accumulation_steps(training, dp: int) -> int:

@@ -122,6 +122,9 @@ def init_weights(model: nn.Module, seed: int | None = None) -> None:
             if hasattr(m, "reset_parameters"):
                 m.reset_parameters()
     restore_constructor_values(model)
+    from flame.lora.layer import init_adapters
+
+    init_adapters(model, seed)  # LoRA layers, if any: their own generator, after the model's init
     check_initialized(model)
 
 

@@ -26,7 +26,7 @@ from flame.errors import ConfigError
 DT_MIN, DT_MAX, DT_FLOOR = 1e-3, 1e-1, 1e-4  # fla.layers.mamba.Mamba's constructor defaults
 
 
-def _assign(p: torch.Tensor, full: torch.Tensor) -> None:
+def assign_full(p: torch.Tensor, full: torch.Tensor) -> None:
     """p <- full, also when p is a sharded DTensor (each rank keeps its slice)."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -40,10 +40,10 @@ def _assign(p: torch.Tensor, full: torch.Tensor) -> None:
 def _mamba_mixer(m: nn.Module) -> None:
     n, c = m.ssm_state_size, m.intermediate_size
     a = torch.arange(1, n + 1, dtype=torch.float32)[None, :].expand(c, -1)
-    _assign(m.A_log, torch.log(a))
-    _assign(m.D, torch.ones(c))
+    assign_full(m.A_log, torch.log(a))
+    assign_full(m.D, torch.ones(c))
     dt = torch.exp(torch.rand(c) * (math.log(DT_MAX) - math.log(DT_MIN)) + math.log(DT_MIN)).clamp(min=DT_FLOOR)
-    _assign(m.dt_proj.bias, dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+    assign_full(m.dt_proj.bias, dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
 
 
 @torch.no_grad()
@@ -55,7 +55,7 @@ def restore_constructor_values(model: nn.Module) -> None:
         if samba and "Mamba" in kinds and hasattr(module, "A_log"):
             _mamba_mixer(module)
         elif "HGRN2Model" in kinds and isinstance(getattr(module, "lower_bounds", None), torch.Tensor):
-            _assign(module.lower_bounds, torch.zeros(module.lower_bounds.shape))
+            assign_full(module.lower_bounds, torch.zeros(module.lower_bounds.shape))
 
 
 @torch.no_grad()

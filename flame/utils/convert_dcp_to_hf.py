@@ -1,9 +1,11 @@
 """Convert a flame/torchtitan DCP checkpoint to a Hugging Face folder.
 
     python -m flame.utils.convert_dcp_to_hf --path DUMP --step N [--config CFG] [--tokenizer TOK]
-        [--dtype bfloat16] [--out DIR] [--max-shard-size 5GB] [--overwrite]
+        [--dtype bfloat16] [--out DIR] [--max-shard-size 5GB] [--overwrite] [--adapter-out DIR2]
 
 Reads ``DUMP/checkpoint/step-N`` (model keys only) and writes ``DIR`` (default ``DUMP/hf_steps/step-N``).
+A LoRA run (``lora.rank > 0`` in its job_config.json) is exported merged (W + alpha/rank * B @ A);
+``--adapter-out DIR2`` also writes its adapters alone in PEFT's format.
 The model is rebuilt as the run built it, from the ``DUMP/job_config.json`` the trainer writes:
 ``model.config``, ``model.tokenizer_path`` (the vocabulary raised to the tokenizer's size by
 ``model.vocab_multiple``) and ``model.module``; ``--config`` / ``--tokenizer`` override the paths. Bad input: one line on stderr, exit status 2.
@@ -31,11 +33,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument('--out', help='output folder (default DUMP/hf_steps/step-N)')
     p.add_argument('--max-shard-size', default='5GB', help="split weights above this size (default 5GB)")
     p.add_argument('--overwrite', action='store_true', help='replace an existing output folder')
+    p.add_argument('--adapter-out', help='a LoRA run: also write its adapters in PEFT format to this folder '
+                                         '(the main export always holds the merged weights)')
     return p
 
 
 def run(args) -> str:
-    from flame.utils.hf_export import export_hf, run_model_config
+    from flame.utils.hf_export import export_hf, run_lora_config, run_model_config
     dump = args.path
     ckpt = os.path.join(dump, 'checkpoint', f'step-{args.step}')
     if not os.path.isdir(ckpt):
@@ -49,8 +53,12 @@ def run(args) -> str:
     problem = verify(entry)
     if problem:
         raise ConfigError(f"damaged checkpoint: {problem}")
+    lora = run_lora_config(dump)
+    if args.adapter_out and lora is None:
+        raise ConfigError(f"--adapter-out: the run in {dump!r} did not train LoRA adapters (no lora.rank > 0 in "
+                          "its job_config.json)")
     return export_hf(ckpt, config, tokenizer, out, dtype=args.dtype, max_shard_size=args.max_shard_size,
-                     overwrite=args.overwrite)
+                     overwrite=args.overwrite, lora=lora, adapter_dir=args.adapter_out)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -232,7 +232,7 @@ def _umask_modes() -> tuple[int, int]:
     return 0o777 & ~mask, 0o666 & ~mask
 
 
-def _apply_umask(folder: str) -> None:
+def apply_umask(folder: str) -> None:
     """mkdtemp makes 0700 folders and safetensors 0600 files: give them what the umask allows."""
     dir_mode, file_mode = _umask_modes()
     for root, _, files in os.walk(folder):
@@ -258,7 +258,8 @@ def _save_tokenizer(tokenizer, out: str) -> None:
 
 def export_hf(model_state_dict_or_checkpoint_dir: dict[str, torch.Tensor] | str, model_config, tokenizer,
               out_dir: str, dtype: str | torch.dtype = 'bfloat16', max_shard_size: int | str = DEFAULT_SHARD,
-              overwrite: bool = False) -> str:
+              overwrite: bool = False, lora=None, adapter_dir: str | None = None,
+              base_model: str | None = None) -> str:
     """Write an HF folder (safetensors weights, config.json, tokenizer) to ``out_dir``.
 
     Args:
@@ -270,6 +271,11 @@ def export_hf(model_state_dict_or_checkpoint_dir: dict[str, torch.Tensor] | str,
         max_shard_size: bytes or '5GB'-style string; above it, weights are split into
             ``model-0000i-of-0000n.safetensors`` plus ``model.safetensors.index.json``.
         overwrite: replace an existing ``out_dir`` (only after the new export is complete).
+        lora: the run's ``[lora]`` section (rank, alpha, dropout) when the weights hold LoRA adapters
+            (``<layer>.lora_A``/``lora_B`` keys): they are merged into their base weights
+            (``flame.lora.export``); adapters without it are an error.
+        adapter_dir: with ``lora``, also write the adapters alone there in PEFT's format, recording
+            ``base_model`` as their base.
     Returns:
         ``out_dir``. Raises ``ConfigError`` (one line) on bad input.
     """
@@ -284,6 +290,9 @@ def export_hf(model_state_dict_or_checkpoint_dir: dict[str, torch.Tensor] | str,
     keys = model_keys(config)
     plan = plan_export(config)
 
+    from flame.lora.export import adapted_weights, adapter_keys, merge_weight
+    from flame.lora.layer import is_adapter_key
+
     from_dcp = not isinstance(model_state_dict_or_checkpoint_dir, dict)
     if from_dcp:
         ckpt = str(model_state_dict_or_checkpoint_dir)
@@ -291,10 +300,24 @@ def export_hf(model_state_dict_or_checkpoint_dir: dict[str, torch.Tensor] | str,
             raise ConfigError(f"checkpoint folder {ckpt!r} does not exist")
         metadata = _dcp_metadata(ckpt)
         _check_against_metadata(keys, metadata, ckpt)
+        present = metadata
     else:
         sd = model_state_dict_or_checkpoint_dir
         meta = {k: type('M', (), {'size': tuple(v.shape)}) for k, v in sd.items()}
         _check_against_metadata(keys, meta, '<state dict>')
+        present = sd
+    adapted = set(adapted_weights(k for k in present if is_adapter_key(k)))
+    if adapted and lora is None:
+        raise ConfigError(f"the weights hold LoRA adapters (e.g. on {sorted(adapted)[0]!r}) but no LoRA rank/alpha "
+                          f"is known to merge them (the run's job_config.json has no lora section)")
+    scale = lora.alpha / lora.rank if adapted else 0.0
+    if adapter_dir is not None and adapted:
+        from flame.lora.export import write_peft_adapters
+        names = [a for w in adapted for a in adapter_keys(w)]
+        adapters = _read_from_dcp(ckpt, names, metadata) if from_dcp else {k: sd[k] for k in names}
+        linears = [k[: -len('.weight')] for k, (shape, _) in keys.items() if k.endswith('.weight') and len(shape) == 2]
+        write_peft_adapters(adapters, lora, linears, plan.rename, adapter_dir, dtype, base_model)
+        logger.info(f"flame: wrote the LoRA adapters in PEFT's format to {adapter_dir}")
 
     parent = os.path.dirname(out_dir)
     os.makedirs(parent, exist_ok=True)
@@ -305,12 +328,17 @@ def export_hf(model_state_dict_or_checkpoint_dir: dict[str, torch.Tensor] | str,
         weight_map, total = {}, 0
         for i, names in enumerate(shards):
             fname = 'model.safetensors' if n == 1 else f'model-{i + 1:05d}-of-{n:05d}.safetensors'
-            part = _read_from_dcp(ckpt, names, metadata) if from_dcp else {k: sd[k] for k in names}
+            extra = [a for k in names if k in adapted for a in adapter_keys(k)]
+            part = _read_from_dcp(ckpt, names + extra, metadata) if from_dcp else {k: sd[k] for k in names + extra}
             tensors = {}
             for k in names:
                 t = part[k]
                 if hasattr(t, 'full_tensor'):  # a DTensor from a live (sharded) model
                     t = t.full_tensor()
+                if k in adapted:  # W + alpha/rank * B @ A
+                    a, b = (part[x].full_tensor() if hasattr(part[x], 'full_tensor') else part[x]
+                            for x in adapter_keys(k))
+                    t = merge_weight(t, a, b, scale)
                 t = t.detach().to('cpu', dtype if t.is_floating_point() else t.dtype).contiguous()
                 tensors[plan.rename(k)] = t
                 total += t.numel() * t.element_size()
@@ -327,7 +355,7 @@ def export_hf(model_state_dict_or_checkpoint_dir: dict[str, torch.Tensor] | str,
             with open(os.path.join(tmp, name), 'w') as f:
                 f.write(text)
         _save_tokenizer(tokenizer, tmp)
-        _apply_umask(tmp)
+        apply_umask(tmp)
         if os.path.exists(out_dir):
             old = tempfile.mkdtemp(prefix=f'.{os.path.basename(out_dir)}.old-', dir=parent)
             os.rename(out_dir, os.path.join(old, 'x'))
@@ -408,6 +436,23 @@ def resolve_job_config(dump: str) -> dict[str, Any]:
     out = {'config': get('config'), 'tokenizer': get('tokenizer_path'), 'vocab_multiple': get('vocab_multiple'),
            'module': get('module')}
     return {k: v for k, v in out.items() if v}
+
+
+def run_lora_config(dump: str):
+    """The ``[lora]`` section of the run in ``dump`` (from ``job_config.json``) when it trained with
+    LoRA (rank > 0), else None."""
+    from flame.lora.config import Lora
+
+    path = os.path.join(dump, 'job_config.json')
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            section = json.load(f).get('lora') or {}
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path!r} is not valid JSON: {e}") from None
+    lora = Lora(**{k: v for k, v in section.items() if k in Lora.__dataclass_fields__})
+    return lora if lora.rank > 0 else None
 
 
 def run_model_config(dump: str, config: str | None = None, tokenizer: str | None = None):

@@ -183,10 +183,11 @@ def measure_costs(model: nn.Module, micro_batch: int, seq_len: int, loss: bool =
         units.append(UnitCosts(n, "layer", sum(p.numel() for p in b.parameters()), roles, f, rec.attn.get(n, 0.0),
                                sum(rec.saved.get(n, {}).values()), rec.inputs.get(n, 0), rec.max_saved.get(n, 0),
                                act_select_bytes=rec.inputs.get(n, 0) + rec.selected.get(n, 0),
-                               act_offload_bytes=sum(rec.views.get(n, {}).values())))
+                               act_offload_bytes=sum(rec.views.get(n, {}).values()),
+                               frozen_numel=sum(p.numel() for p in b.parameters() if not p.requires_grad)))
     block_ids = {id(p) for p in blocks.parameters()}
     roles = {}
-    numel = 0
+    numel = frozen = 0
     seen = set()
     for pn, p in model.named_parameters():
         if id(p) in block_ids or id(p) in seen:
@@ -194,6 +195,7 @@ def measure_costs(model: nn.Module, micro_batch: int, seq_len: int, loss: bool =
         seen.add(id(p))
         roles[_role(pn)] = roles.get(_role(pn), 0) + p.numel()
         numel += p.numel()
+        frozen += 0 if p.requires_grad else p.numel()
     act = sum(rec.saved.get("outer", {}).values())
     outer_flops = total - layer_flops
     head_bwd = 0.0
@@ -203,7 +205,7 @@ def measure_costs(model: nn.Module, micro_batch: int, seq_len: int, loss: bool =
         head_bwd = 2 * 2.0 * micro_batch * seq_len * head.weight.numel()
         outer_flops -= head_bwd
     units.append(UnitCosts("outer", "outer", numel, roles, outer_flops, rec.attn.get("outer", 0.0), act, act,
-                           rec.max_saved.get("outer", 0), head_bwd))
+                           rec.max_saved.get("outer", 0), head_bwd, frozen_numel=frozen))
     extra = {}
     if head is not None:
         # inside the chunked forward, on top of the float32 weight-grad accumulator: per chunk its

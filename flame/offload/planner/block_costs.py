@@ -41,11 +41,20 @@ class UnitCosts:
     """GPU bytes a recomputed block's backward adds on top of its input (recomputed activations,
     gradient buffers), measured on the device before the run (measure.calibration.measure_block_fudges);
     when set, the cost model uses it instead of act_keep_bytes + 2 x max_saved_bytes."""
+    frozen_numel: int = 0
+    """Of numel, the parameters that take no gradient (a LoRA base): they need their compute copy
+    only, no gradient, master copy or optimizer moments, and no weight-gradient matmul."""
+
+    @property
+    def trainable_numel(self) -> int:
+        return self.numel - self.frozen_numel
 
     @property
     def bwd_gemm_flops(self) -> float:
-        # dX and dW each cost one forward matmul
-        return 2.0 * self.fwd_gemm_flops
+        # dX and dW each cost one forward matmul; frozen weights need no dW (their share of the
+        # forward matmuls taken as their share of the unit's weights, exact for matmul weights)
+        frozen = self.frozen_numel / self.numel if self.numel else 0.0
+        return (2.0 - frozen) * self.fwd_gemm_flops
 
     @property
     def bwd_attn_flops(self) -> float:

@@ -113,19 +113,22 @@ def unit_gpu_categories(u: UnitCosts, mode: str, dt: Dtypes, gpu_acc: bool = Fal
     out = dict.fromkeys(MEMORY_CATEGORIES, 0)
     sharded = world > 1 and mode != "gpu"
     full = padded_numel(u.numel, world) if sharded else u.numel
+    # gradients, master copies and moments exist for the trainable parameters only
+    t = u.trainable_numel
     if gpu_acc and mode != "gpu":
         # sharded: a separate accumulator of the reduce-scattered shard, in grad dtype
-        out["grad_acc"] = shard_numel(u.numel, world) * DTYPE_BYTES[dt.grad] if sharded else u.numel * gpu_acc_extra(mode, dt)
+        out["grad_acc"] = shard_numel(t, world) * DTYPE_BYTES[dt.grad] if sharded else t * gpu_acc_extra(mode, dt)
     if sharded:  # the grad shard the full grad is reduce-scattered into
-        out["shards"] = shard_numel(u.numel, world) * dt.c
+        out["shards"] = shard_numel(t, world) * dt.c
     if mode in ("gpu", "host_opt"):
         # compute copy + its grad (autograd writes grads in the param dtype); full (gathered) size
-        out["compute"] = out["grads"] = full * dt.c
+        out["compute"] = full * dt.c
+        out["grads"] = (padded_numel(t, world) if sharded else t) * dt.c
     if mode == "gpu":
         # a separate master / accumulator only when its dtype differs from the compute dtype
-        out["master"] = u.numel * dt.master_extra
-        out["grad_acc"] = u.numel * dt.grad_extra
-        out["moments"] = u.numel * dt.moments
+        out["master"] = t * dt.master_extra
+        out["grad_acc"] = t * dt.grad_extra
+        out["moments"] = t * dt.moments
     return out
 
 
@@ -146,8 +149,9 @@ def static_gpu_bytes(units: list[UnitCosts], modes: list[str], dt: Dtypes, depth
     streamed = [padded_numel(u.numel, world) for u, m in zip(units, modes) if m == "stream"]
     if streamed:  # see OffloadEngine._build_buffers
         out["slots"] = (depth + 3) * max(streamed) * dt.c
-        out["grad_slots"] = 2 * max(streamed) * dt.c
-    host = [shard_numel(u.numel, world) for u, m in zip(units, modes) if m != "gpu"]
+        out["grad_slots"] = 2 * max(padded_numel(u.trainable_numel, world) for u, m in zip(units, modes)
+                                    if m == "stream") * dt.c
+    host = [shard_numel(u.trainable_numel, world) for u, m in zip(units, modes) if m != "gpu"]
     g = DTYPE_BYTES[dt.grad]
     if host and rounds == 1 and g != dt.c:
         out["conversion"] = 2 * min(CONV_CHUNK, max(host)) * g
@@ -172,16 +176,17 @@ def unit_host_bytes(u: UnitCosts, mode: str, dt: Dtypes, rounds: int = 1, gpu_ac
     """(total host bytes, of which pinned) of a unit on one rank (its shard when world > 1)."""
     if mode == "gpu":
         return 0, 0
-    n = shard_numel(u.numel, world)
+    # a frozen parameter is its compute copy alone: no grad buffers, master copy or moments
+    n, t = shard_numel(u.numel, world), shard_numel(u.trainable_numel, world)
     g = DTYPE_BYTES[dt.grad]
     if rounds == 1 or gpu_acc:
         # pinned: compute copy the GPU streams from (the master itself when dtypes match) + the
         # grad accumulator the D2H writes into directly (once per step)
-        pinned = n * (dt.c + g)
-        return pinned + n * (dt.master_extra + dt.moments), pinned
+        pinned = n * dt.c + t * g
+        return pinned + t * (dt.master_extra + dt.moments), pinned
     # rounds > 1: grads arrive in compute dtype into a pinned staging buffer, added on the CPU
-    pinned = n * 2 * dt.c
-    return pinned + n * (dt.master_extra + g + dt.moments), pinned
+    pinned = n * dt.c + t * dt.c
+    return pinned + t * (dt.master_extra + g + dt.moments), pinned
 
 
 @dataclass
@@ -339,7 +344,7 @@ def state_memory(costs: ModelCosts, dt: Dtypes, layer_modes, outer_mode: str, de
     if rounds > 1 and any(m != "gpu" and not a for m, a in zip(modes, accs)):
         host += HOST_MATH_CHUNK * 4  # the host adds' float32 scratch chunk (runtime.host_math)
     if grad_conversion_bytes(dt):  # the CPU optimizer's one master-dtype grad buffer (largest host unit)
-        host += max((shard_numel(u.numel, world) for u, m in zip(units, modes) if m != "gpu"), default=0) \
+        host += max((shard_numel(u.trainable_numel, world) for u, m in zip(units, modes) if m != "gpu"), default=0) \
             * DTYPE_BYTES[dt.master]
     return StateMemory(static, host, pinned)
 
@@ -360,7 +365,7 @@ def activation_memory(costs: ModelCosts, dt: Dtypes, layer_acts, depth: int, mic
     # log-softmax, with its incoming and outgoing gradient), the outer's weight grads arriving as
     # new tensors before they are added into the unit's grad buffer.
     loss_trans = max(costs.extra.get("loss_chunk_transient_bytes", 0), scale * 2.0 * outer.max_saved_bytes,
-                     outer.numel * dt.c)
+                     outer.trainable_numel * dt.c)
     # In block k's backward the outer's and later blocks' activations are gone: blocks 0..k's, plus
     # its transient: a recomputed block's activations and gradient buffers (measured when the
     # calibration ran the block on the GPU; else its saved bytes + twice the largest), a kept
@@ -421,10 +426,12 @@ def predict(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, layer_modes, l
     g = DTYPE_BYTES[dt.grad]
     # per rank: a host unit's shard (the whole unit with one rank or in "gpu" mode) ...
     sn = [shard_numel(u.numel, world) if m != "gpu" else u.numel for u, m in zip(units, modes)]
+    # ... of which take gradients: grad traffic, reduce-scatters and optimizer work are theirs only
+    tn = [shard_numel(u.trainable_numel, world) if m != "gpu" else u.trainable_numel for u, m in zip(units, modes)]
     # ... and the collectives around its full (padded) compute-dtype buffer
     ag_s = [collective_s(padded_numel(u.numel, world) * c, world, prof.allgather_gbps) if m != "gpu" else 0.0
             for u, m in zip(units, modes)]
-    rs_s = [collective_s(padded_numel(u.numel, world) * c, world, prof.reducescatter_gbps) if m != "gpu" else 0.0
+    rs_s = [collective_s(padded_numel(u.trainable_numel, world) * c, world, prof.reducescatter_gbps) if m != "gpu" else 0.0
             for u, m in zip(units, modes)]
     # CPU work per host unit at the step's end: the fused AdamW and the new compute copy when
     # master != compute dtype; grads in another dtype than the master are converted into a
@@ -434,7 +441,7 @@ def predict(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, layer_modes, l
     conv = dt.master_extra and (dt.master_extra + c)
     gconv = grad_conversion_bytes(dt)
     host_acc = [m != "gpu" and rounds > 1 and not a for m, a in zip(modes, accs)]
-    cpu_t = [n / cpu_rate + n * (conv + gconv) / (2 * memcpy) if m != "gpu" else 0.0 for n, m in zip(sn, modes)]
+    cpu_t = [n / cpu_rate + n * (conv + gconv) / (2 * memcpy) if m != "gpu" else 0.0 for n, m in zip(tn, modes)]
     # host accumulation, every micro-batch after the unit's D2H, on the CPU worker: the first
     # copies the staged grads (read c, write g bytes/param), the others add: same dtype read c,
     # read+write g; mixed dtypes convert a chunk into a scratch buffer first (+ write g, read g),
@@ -447,11 +454,11 @@ def predict(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, layer_modes, l
     def acc_s(j: int, r: int) -> float:
         if not host_acc[j]:
             return 0.0
-        return sn[j] * ((add_bytes if r else c + g) + (g if r == rounds - 1 else 0)) / memcpy
+        return tn[j] * ((add_bytes if r else c + g) + (g if r == rounds - 1 else 0)) / memcpy
     # GPU accumulation: one add per round into a separate accumulator (read grad and accumulator,
     # write accumulator) on the compute stream (sharded: always separate, the shard's size)
     add_t = [n * (c + 2 * g) / (prof.hbm_gbps * 1e9) if a and (world > 1 or gpu_acc_extra(m, dt)) else 0.0
-             for n, m, a in zip(sn, modes, accs)]
+             for n, m, a in zip(tn, modes, accs)]
     # bytes per param crossing D2H and in which rounds: grad dtype once a step when converted on
     # the GPU (one round) or accumulated there; otherwise compute dtype every round
     wire = [g if rounds == 1 or a else c for a in accs]
@@ -493,7 +500,7 @@ def predict(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, layer_modes, l
             refetch = m == "stream" and k >= 1 and (k - 1) < n - (depth + 1)
             b = (sn[k] * c if refetch else 0) + off[k]
             sends = m != "gpu" and (not accs[k] or r == rounds - 1)
-            d = sn[k] * wire[k] if sends else 0
+            d = tn[k] * wire[k] if sends else 0
             h2d_bytes += b
             d2h_bytes += d
             redo = times[k][0] if acts[k] == "recompute" else \
@@ -502,7 +509,7 @@ def predict(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, layer_modes, l
             compute += ct
             bw.append((0.0, b / h2d_bwd + (ag_s[k] if refetch else 0.0), ct + rs_s[k], d / d2h_bwd, acc_s(k, r)))
         phases.append(_flow(bw, depth))
-    gpu_params = sum(u.numel for u, m in zip(units, modes) if m == "gpu")
+    gpu_params = sum(u.trainable_numel for u, m in zip(units, modes) if m == "gpu")
     # the GPU AdamW, then for replicated "gpu" units one all-reduce (reduce-scatter + all-gather)
     # of their grads a step
     phases.append(gpu_params / (prof.gpu_adam_gparams * 1e9) + collective_s(gpu_params * g, world, prof.reducescatter_gbps)

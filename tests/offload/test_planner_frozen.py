@@ -1,0 +1,52 @@
+"""The planner with frozen parameters (a LoRA base): no gradient, master copy, moments, weight-gradient
+matmul, grad traffic or optimizer work for them; arithmetic by hand, and the costs of a LoRA model."""
+
+import pytest
+
+from flame.offload.planner.block_costs import ModelCosts, UnitCosts
+from flame.offload.planner.cost_model import Dtypes, predict, unit_gpu_bytes, unit_host_bytes
+from tests.offload.test_planner import prof
+
+
+def test_frozen_parameters_take_their_compute_copy_only():
+    u = UnitCosts("b", "layer", 1000, {}, 0, 0, 0, 0, 0, frozen_numel=900)
+    dt = Dtypes()  # bf16 compute, float32 grads, master and moments
+    # gpu: compute copy of all; grad (compute dtype), master, grad accumulator, moments of the 100 trainable
+    assert unit_gpu_bytes(u, "gpu", dt) == 1000 * 2 + 100 * (2 + 4 + 4 + 8)
+    assert unit_gpu_bytes(u, "host_opt", dt) == 1000 * 2 + 100 * 2
+    assert unit_host_bytes(u, "stream", dt) == (1000 * 2 + 100 * (4 + 4 + 8), 1000 * 2 + 100 * 4)
+    assert unit_host_bytes(u, "stream", dt, rounds=2) == (1000 * 2 + 100 * (2 + 4 + 4 + 8), 1000 * 2 + 100 * 2)
+    # sharded over 4 ranks: the grad shard and its accumulator are the trainable shard's
+    gpu_acc = unit_gpu_bytes(u, "stream", dt, gpu_acc=True, world=4)
+    assert gpu_acc == 25 * 4 + 25 * 2
+    frozen = UnitCosts("b", "layer", 1000, {}, 0, 0, 0, 0, 0, frozen_numel=1000)
+    assert unit_host_bytes(frozen, "stream", dt) == (1000 * 2, 1000 * 2)
+    assert unit_gpu_bytes(frozen, "gpu", dt) == 1000 * 2
+
+
+def test_a_frozen_streamed_layer_by_hand():
+    # one frozen layer streamed: forward = h2d + compute; backward = dX only, no grads sent, no CPU step
+    lay = UnitCosts("l", "layer", 10**9, {}, 1e12, 0.0, 0, 0, 0, frozen_numel=10**9)
+    out = UnitCosts("outer", "outer", 0, {}, 0.0, 0.0, 0, 0, 0)
+    pr = predict(ModelCosts(1, 1, [lay, out], "L"), prof(), Dtypes(), ["stream"], ["keep"], "gpu", 1, 1, 1, 15)
+    h2d, fwd = 2e9 / 50e9, 1e12 / 500e12
+    assert pr.phase_s == pytest.approx([h2d + fwd, fwd, 0.0])
+    assert (pr.h2d_bytes, pr.d2h_bytes, pr.cpu_s) == (2e9, 0, 0.0)
+    assert pr.host_bytes == 2e9 and pr.pinned_bytes == 2e9
+
+
+def test_costs_of_a_lora_model_count_its_frozen_base():
+    from flame.lora import Lora, apply_lora
+    from flame.models import build
+    from flame.offload.measure.tracing import measure_costs
+    from tests.trainer.helpers import TINY_LLAMA
+
+    model = build.build_meta_model(build.load_model_config(TINY_LLAMA))
+    apply_lora(model, Lora(rank=4))
+    costs = measure_costs(model, 1, 32)
+    adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert sum(u.trainable_numel for u in costs.units) == adapters > 0
+    assert costs.outer.frozen_numel == costs.outer.numel  # embeddings, norm and head stay frozen
+    for u in costs.layers:
+        assert 0 < u.trainable_numel < u.numel
+        assert u.bwd_gemm_flops < 2 * u.fwd_gemm_flops
