@@ -106,9 +106,14 @@ def _canonical(name: str) -> str:
 
 
 def model_tensors(model: nn.Module) -> list[tuple[list[str], torch.Tensor]]:
-    """(every state-dict name, tensor) of each parameter and persistent buffer, tied ones once."""
+    """(every state-dict name, tensor) of each parameter and persistent buffer, tied ones once.
+    LoRA adapters are left out: no base checkpoint has them, and they keep their initialization."""
+    from flame.lora import is_adapter_key
+
     by_id: dict[int, tuple[list[str], torch.Tensor]] = {}
     for name, t in model.state_dict(keep_vars=True).items():
+        if is_adapter_key(name):
+            continue
         by_id.setdefault(id(t), ([], t))[0].append(_canonical(name))
     return list(by_id.values())
 

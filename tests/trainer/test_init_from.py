@@ -97,6 +97,14 @@ def test_offload_first_step_loss_is_the_hf_models(hf_dir, one_device, tmp_path):
     assert losses(dump)[0] == pytest.approx(one_device[1], rel=1e-5)
 
 
+def test_lora_adapters_keep_their_init_and_the_base_loads(hf_dir, one_device, tmp_path):
+    """LoRA wraps the model before the load: the base comes from the folder, the zero-initialized
+    adapters are not looked for in it, so the first step's loss is still the HF model's."""
+    dump = str(tmp_path / "lora")
+    run_job(1, dump, "--model.init_from", hf_dir, "--training.steps", "1", "--lora.rank", "4", config=hf_dir)
+    assert losses(dump)[0] == pytest.approx(one_device[1], rel=1e-5)
+
+
 def test_resume_ignores_init_from(one_device, tmp_path, caplog):
     """The relaunch names a folder whose vocabulary does not fit: loading it would stop the run."""
     dump, _ = one_device
