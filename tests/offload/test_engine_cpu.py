@@ -209,15 +209,15 @@ def test_piece_ranges_never_cross_a_piece():
 def test_copies_split_at_tiny_pin_pieces_same_numbers(monkeypatch):
     """Every host<->device copy split at 40-byte pieces (and 7-element grad conversion chunks)
     gives bit-identical results: no copy site skips or misplaces a range."""
-    import flame.offload.runtime.engine as engine
+    import flame.offload.runtime.gradients as gradients
 
     mixed = {"compute": "bfloat16", "master": "float32", "grad": "float32", "moment": "float32"}
     b = batches(3, 1, seed=4)
     p = plan(["stream", "host_opt", "stream", "gpu"], ["recompute", "keep", "keep", "keep"], "host_opt", dtypes=mixed)
     want, _ = run_engine(tiny(seed=6), p, b, 1, max_norm=0.5)
-    monkeypatch.setattr(engine, "CONV_CHUNK", 7)
+    monkeypatch.setattr(gradients, "CONV_CHUNK", 7)
     got, eng = run_engine(tiny(seed=6), p, b, 1, max_norm=0.5, pin_piece_bytes=40)
-    assert eng.conv and eng.conv[0].numel() == 7
+    assert eng.gradients.conversion and eng.gradients.conversion[0].numel() == 7
     assert got == want
 
 
@@ -250,7 +250,7 @@ def test_dropped_engine_frees_model_and_buffers():
         mod = tiny()
         _, eng = run_engine(mod, plan(["stream", "host_opt", "gpu", "stream"], ["recompute", "keep", "keep", "keep"], "gpu"),
                             batches(1, 1), 1, max_norm=1.0)
-        refs = [weakref.ref(eng), weakref.ref(mod), weakref.ref(eng.slots[0].buf)]
+        refs = [weakref.ref(eng), weakref.ref(mod), weakref.ref(eng.schedule.slots[0].buffer)]
         if close:
             eng.close()
             assert not mod._forward_pre_hooks and "forward" not in mod.model.layers[0].__dict__
@@ -273,8 +273,8 @@ def test_gpu_grad_accumulation_same_as_host_accumulation(grad):
     gpu, eng = run_engine(tiny(seed=8), plan(modes, acts, "host_opt", 3, dtypes=dt, accs=[True] * 4, outer_acc=True), b, 3,
                           max_norm=0.5)
     assert gpu == pytest.approx(host, rel=1e-3)
-    assert (eng.units[2].gacc_dev is eng.units[2].g) == (grad == "bfloat16")
-    assert [u.gpu_acc for u in eng.units] == [True, True, True, False, True]  # the gpu block accumulates anyway
+    assert (eng.units[2].grads.device_accumulator is eng.units[2].grads.buffer) == (grad == "bfloat16")
+    assert [u.accumulate_on_gpu for u in eng.units] == [True, True, True, False, True]  # the gpu block accumulates anyway
 
 
 def test_gpu_accumulation_fewer_rounds_than_planned_and_too_many():
@@ -370,7 +370,7 @@ def test_host_norm_taken_with_the_last_accumulation():
     got, eng = run_engine(mod, plan(modes, acts, "host_opt", 3), b, 3, max_norm=0.05)
     assert got == pytest.approx(want, rel=1e-4)
     seconds = eng.reset_host_seconds()
-    assert seconds["accumulate_and_norm"] > 0 and all(u.host_sq is None for u in eng.units)
+    assert seconds["accumulate_and_norm"] > 0 and all(u.grads.host_sq_norm is None for u in eng.units)
     # two of three planned rounds: no last accumulation, the step takes the norms itself
     ids = b[0]
     for x in ids[:2]:
@@ -392,13 +392,13 @@ def test_bf16_grads_convert_into_one_reused_master_buffer():
     got, eng = run_engine(tiny(seed=10), plan(["stream", "host_opt", "stream", "host_opt"], ["keep"] * 4, "host_opt",
                                               dtypes=dt), b, 1, max_norm=0.5)
     assert got == pytest.approx(ref, rel=1e-3)
-    scratch = eng._grad_scratch
-    assert scratch.dtype == torch.float32 and scratch.numel() == max(u.gacc.numel() for u in eng.units)
+    scratch = eng.optimizer.grad_scratch
+    assert scratch.dtype == torch.float32 and scratch.numel() == max(u.grads.accumulator.numel() for u in eng.units)
     eng.optimizer_step(0.5, True)
     eng.synchronize()
-    assert eng._grad_scratch is scratch
+    assert eng.optimizer.grad_scratch is scratch
     seconds = eng.reset_host_seconds()
-    assert {"cpu_adam", "grad_to_master_dtype", "new_compute_copy"} <= set(seconds) and eng.host_seconds == {}
+    assert {"cpu_adam", "grad_to_master_dtype", "new_compute_copy"} <= set(seconds) and eng.worker.seconds == {}
 
 
 def test_engine_shortens_the_gil_switch_interval_while_it_lives():
@@ -419,9 +419,9 @@ def test_runtime_chunk_sizes_are_the_cost_models():
     """The runtime takes its chunk sizes from the planner's cost model (one definition), which
     counts their buffers."""
     from flame.offload.planner import cost_model
-    from flame.offload.runtime import engine, host_math
+    from flame.offload.runtime import gradients, host_math
 
-    assert cost_model.CONV_CHUNK == engine.CONV_CHUNK and cost_model.HOST_MATH_CHUNK == host_math.HostMath().chunk
+    assert cost_model.CONV_CHUNK == gradients.CONV_CHUNK and cost_model.HOST_MATH_CHUNK == host_math.HostMath().chunk
 
 
 def test_no_decay_parameters_match_torch_param_groups():
@@ -470,7 +470,7 @@ def test_offloaded_activations_bit_identical_to_kept(rounds, modes):
     assert got == want
     for k, v in e1.model_state_dict().items():
         assert torch.equal(e2.model_state_dict()[k], v), k
-    arenas = [u.acts for u in e2.units if u.acts is not None]
+    arenas = [u.activations for u in e2.units if u.activations is not None]
     assert len(arenas) == 3 and all(a.arena is not None and a.arena.numel() >= a.nbytes > 0 for a in arenas)
     # nothing left on the 'GPU' between steps: the forward dropped its copies, the backward its restored ones
     assert all(not a.pending and not a.restored for a in arenas)
