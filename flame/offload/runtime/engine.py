@@ -67,11 +67,13 @@ DT = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.flo
 
 def _no_cache(kwargs: dict) -> dict:
     """A checkpointed block's keyword arguments without a KV cache: its forward runs again in the
-    backward and would append to the cache twice (HF models pass one when `use_cache` is on;
-    training never reads it). Selective recompute refuses the second forward's different ops."""
+    backward and would append to the cache twice (HF models pass one when `use_cache` is on, as
+    `past_key_values`, or `cache` since transformers 5.24; training never reads it). Selective
+    recompute refuses the second forward's different ops."""
     out = dict(kwargs)
-    if out.get("past_key_values") is not None:
-        out["past_key_values"] = None
+    for key in ("past_key_values", "cache"):
+        if out.get(key) is not None:
+            out[key] = None
     if out.get("use_cache"):
         out["use_cache"] = False
     return out
