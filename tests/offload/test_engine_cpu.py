@@ -402,17 +402,59 @@ def test_bf16_grads_convert_into_one_reused_master_buffer():
 
 
 def test_engine_shortens_the_gil_switch_interval_while_it_lives():
-    """The CPU worker's chunked host ops wait for the GIL after each dispatch: the engine keeps the
-    interpreter's switch interval at SWITCH_INTERVAL_S at most and gives the old one back at close."""
+    """The CPU worker's chunked host ops wait for the GIL after each dispatch: while any engine
+    lives the interpreter's switch interval is SWITCH_INTERVAL_S at most; the process's own value
+    comes back when the last engine closes (in any order) or is collected without close()."""
+    import gc
     import sys
 
-    from flame.offload.runtime.engine import SWITCH_INTERVAL_S
+    from flame.offload.runtime.switch_interval import SWITCH_INTERVAL_S
 
+    p = plan(["stream", "gpu", "host_opt", "gpu"], ["keep"] * 4, "host_opt")
+    gc.collect()  # engines of earlier tests, dropped without close(), give their leases back
     before = sys.getswitchinterval()
-    eng = OffloadEngine(tiny(), plan(["stream", "gpu", "host_opt", "gpu"], ["keep"] * 4, "host_opt"), torch.device("cpu"))
-    assert sys.getswitchinterval() <= SWITCH_INTERVAL_S + 1e-9
-    eng.close()
-    assert sys.getswitchinterval() == pytest.approx(before)
+    assert before > SWITCH_INTERVAL_S
+    sys.setswitchinterval(0.0037)  # not the default: a restore to a constant would not give it back
+    original = sys.getswitchinterval()
+    try:
+        a = OffloadEngine(tiny(), p, torch.device("cpu"))
+        assert sys.getswitchinterval() <= SWITCH_INTERVAL_S + 1e-9
+        b = OffloadEngine(tiny(), p, torch.device("cpu"))
+        a.close()
+        assert sys.getswitchinterval() <= SWITCH_INTERVAL_S + 1e-9  # b still runs its worker
+        b.close()
+        assert sys.getswitchinterval() == pytest.approx(original, abs=2e-6)  # stored in microseconds
+        c = OffloadEngine(tiny(), p, torch.device("cpu"))
+        assert sys.getswitchinterval() <= SWITCH_INTERVAL_S + 1e-9
+        del c  # dropped without close(): its lease ends with it
+        gc.collect()
+        assert sys.getswitchinterval() == pytest.approx(original, abs=2e-6)  # stored in microseconds
+    finally:
+        sys.setswitchinterval(before)
+
+
+def test_switch_interval_leases_nest():
+    """Nested leases (context managers) restore the value of before the outermost one."""
+    import gc
+    import sys
+
+    from flame.offload.runtime.switch_interval import SWITCH_INTERVAL_S, ShortSwitchInterval
+
+    gc.collect()  # engines of earlier tests, dropped without close(), give their leases back
+    before = sys.getswitchinterval()
+    assert before > SWITCH_INTERVAL_S
+    sys.setswitchinterval(0.0041)
+    original = sys.getswitchinterval()
+    try:
+        with ShortSwitchInterval(1e-4):
+            with ShortSwitchInterval(5e-5) as inner:
+                short = sys.getswitchinterval()
+                assert short < 6e-5
+                inner.release()  # released twice (here and at the exit): counted once
+            assert sys.getswitchinterval() == short  # still leased: shortened, not restored
+        assert sys.getswitchinterval() == pytest.approx(original, abs=2e-6)  # stored in microseconds
+    finally:
+        sys.setswitchinterval(before)
 
 
 def test_runtime_chunk_sizes_are_the_cost_models():

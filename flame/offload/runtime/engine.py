@@ -38,7 +38,6 @@ step before the norm, and every rank steps the same copy on the GPU.
 from __future__ import annotations
 
 import math
-import sys
 import weakref
 from functools import partial
 
@@ -61,7 +60,6 @@ from flame.offload.runtime.streams import PIN_PIECE_BYTES, PinnedBuffers, Stream
 from flame.offload.runtime.units import Unit
 from flame.offload.runtime.worker import CpuWorker
 
-SWITCH_INTERVAL_S = 1e-4
 DT = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -107,14 +105,7 @@ class OffloadEngine(EngineStateDict):
         self.master_dtype = master
         self.streams = Streams(self.device, pin_piece_bytes)
         self.cuda = self.streams.cuda
-        self.worker = CpuWorker()
-        # The CPU worker dispatches a few torch ops per host chunk (HostMath) and needs the GIL
-        # back after each; the training thread runs Python meanwhile (hooks, the recomputed
-        # forward) and keeps the GIL up to the switch interval each time (5 ms by default), which
-        # makes the worker's host adds several times slower than alone. At 0.1 ms they run at
-        # nearly their speed alone: that interval while the engine lives, restored at close().
-        self._switch_interval = sys.getswitchinterval()
-        sys.setswitchinterval(min(self._switch_interval, SWITCH_INTERVAL_S))
+        self.worker = CpuWorker()  # holds the short GIL switch interval until close()
         blocks_name, blocks = find_blocks(model)
         if len(blocks) != len(plan.layer_modes):
             raise ConfigError(f"offload.plan: {len(plan.layer_modes)} blocks in the plan, model has {len(blocks)}")
@@ -413,7 +404,6 @@ class OffloadEngine(EngineStateDict):
         model back to the engine is left: dropping both frees every buffer)."""
         self.synchronize()
         self.worker.shutdown()
-        sys.setswitchinterval(self._switch_interval)
         self.pinned.release()
         for u in self.units:
             if u.activations is not None:

@@ -3,15 +3,19 @@
 One worker runs every host job in submission order: the adds and norms of host-accumulated
 grads (HostMath, whose scratch buffer it owns) and the CPU AdamW of each host unit. One thread
 keeps the order the jobs depend on (a unit's adds before its optimizer step) without locks.
+While the worker lives the interpreter's GIL switch interval is short (a counted lease, see
+switch_interval.py): given back at shutdown, or when the worker is collected without one.
 """
 
 from __future__ import annotations
 
 import time
+import weakref
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 from flame.offload.runtime.host_math import HostMath
+from flame.offload.runtime.switch_interval import ShortSwitchInterval
 
 
 class CpuWorker:
@@ -24,6 +28,9 @@ class CpuWorker:
         # None, or a list the worker appends (kind, unit index, start, end) to, perf_counter
         # seconds, per job (benchmarks/offload_blocks.py lines them up with the GPU's timeline)
         self.trace: list | None = None
+        self.switch_interval = ShortSwitchInterval()
+        self.switch_interval.acquire()
+        weakref.finalize(self, self.switch_interval.release)
 
     def submit(self, fn, *args) -> None:
         self.pool.submit(fn, *args)
@@ -46,3 +53,4 @@ class CpuWorker:
 
     def shutdown(self) -> None:
         self.pool.shutdown(wait=True)
+        self.switch_interval.release()
