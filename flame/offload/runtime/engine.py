@@ -151,6 +151,7 @@ class OffloadEngine(EngineStateDict):
         self.weight_storages = {u.weights.resident.untyped_storage().data_ptr()
                                 for u in self.units if u.weights.resident is not None}
         self._bwd_started = False
+        self._clip_coefficient: float | None = None  # from clip_grad_norm_, for the next step()
         self._install_hooks()
 
     # ------------------------------------------------------------------ buffers
@@ -316,17 +317,36 @@ class OffloadEngine(EngineStateDict):
         return self.worker.reset_seconds()
 
     def optimizer_step(self, max_norm: float = 0.0, skip_nan_inf: bool = False, lr: float | None = None):
-        """Clip by the global grad norm, step every unit; returns (grad_norm, skipped).
-
-        GPU units step now; host units are stepped on the CPU thread in forward order, each
-        writing its new compute copy into the pinned buffer; the next forward waits per unit."""
-        if lr is not None:
-            self.optimizer.lr = lr
-        total = global_norm(self.gradients.step_sq_norm())
+        """Clip by the global grad norm, step every unit; returns (grad_norm, skipped): a
+        non-finite norm with `skip_nan_inf` skips the step and zeroes the grads."""
+        total = self._grad_norm(max_norm)
         if skip_nan_inf and not math.isfinite(total):
             self._zero_all()
             return torch.tensor(total), True
-        coef = clip_coefficient(total, max_norm)
+        self.step(lr)
+        return torch.tensor(total), False
+
+    def clip_grad_norm_(self, max_norm: float = 0.0) -> torch.Tensor:
+        """The step's global grad norm; the next step() scales the grads by min(1, max_norm /
+        norm) (max_norm 0: no clipping). Once a step, after the last backward: it collects the
+        step's grads (the step's one host sync)."""
+        return torch.tensor(self._grad_norm(max_norm))
+
+    def _grad_norm(self, max_norm: float) -> float:
+        total = global_norm(self.gradients.step_sq_norm())
+        self._clip_coefficient = clip_coefficient(total, max_norm)
+        return total
+
+    def step(self, lr: float | None = None) -> None:
+        """Step every unit with the grads clipped by the last clip_grad_norm_ (taken here, without
+        clipping, when it was not called). GPU units step now; host units are stepped on the CPU
+        thread in forward order, each writing its new compute copy into the pinned buffer; the
+        next forward waits per unit."""
+        if lr is not None:
+            self.optimizer.lr = lr
+        if self._clip_coefficient is None:
+            self._grad_norm(0.0)
+        coef, self._clip_coefficient = self._clip_coefficient, None
         for u in self.units:
             if u.mode == "gpu":
                 self.optimizer.step_on_gpu(u, coef)
@@ -338,7 +358,6 @@ class OffloadEngine(EngineStateDict):
                 self.schedule.stale(u)
                 self.optimizer.start_on_cpu(u, coef)
         self.gradients.clean = True
-        return torch.tensor(total), False
 
     def zero_grad(self) -> None:
         """Nothing to do right after optimizer_step (the next step's first round overwrites every
@@ -347,6 +366,7 @@ class OffloadEngine(EngineStateDict):
             self._zero_all()
 
     def _zero_all(self) -> None:
+        self._clip_coefficient = None
         self.worker.wait()
         if self.cuda:  # no copy may still read or write the buffers zeroed here
             torch.cuda.synchronize()

@@ -41,7 +41,7 @@ build.init_weights(ref, seed=0)
 state = {k: v.clone() for k, v in ref.state_dict().items()}
 
 model = build.build_meta_model(build.load_model_config(config))
-model, _ = parallelize(model, pd, cfg, device, None)
+model = parallelize(model, pd, cfg, device)
 model.to_empty(device=device)
 build.init_weights(model, seed=1)  # also re-creates non-persistent buffers (rotary inv_freq)
 if mode == "ddp":
