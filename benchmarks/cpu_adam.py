@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from flame.offload.measure.hardware import adam_bench, measure_cpu_adam  # noqa: E402
-from flame.offload.runtime.engine import SWITCH_INTERVAL_S  # noqa: E402
+from flame.offload.runtime.switch_interval import SWITCH_INTERVAL_S  # noqa: E402
 from flame.offload.runtime.streams import register_pinned, unregister_pinned  # noqa: E402
 
 

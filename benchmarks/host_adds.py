@@ -22,8 +22,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from flame.offload.runtime.engine import SWITCH_INTERVAL_S  # noqa: E402
-from flame.offload.runtime.host_math import CHUNK, HostMath  # noqa: E402
+from flame.offload.runtime.switch_interval import SWITCH_INTERVAL_S  # noqa: E402
+from flame.offload.planner.cost_model import HOST_MATH_CHUNK  # noqa: E402
+from flame.offload.runtime.host_math import HostMath  # noqa: E402
 
 
 def busy_python(stop: threading.Event) -> None:
@@ -67,7 +68,7 @@ def main():
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--switch_us", default=str(int(SWITCH_INTERVAL_S * 1e6)),
                     help="interpreter switch intervals to try, microseconds (default: the engine's)")
-    ap.add_argument("--chunks_m", default=str(CHUNK >> 20), help="HostMath chunk sizes to try, M elements")
+    ap.add_argument("--chunks_m", default=str(HOST_MATH_CHUNK >> 20), help="HostMath chunk sizes to try, M elements")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     cores = len(os.sched_getaffinity(0))

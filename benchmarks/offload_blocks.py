@@ -85,12 +85,12 @@ def main():
     host_marks = []
     for k in range(3):
         if k == 2:  # the CPU worker's jobs from here: the timed forward waits on this step's AdamW
-            eng.trace, host_marks = [], []
+            eng.worker.trace, host_marks = [], []
         step(False)
     step(True)
     eng.synchronize()
     t0 = host_marks[0][1]
-    out_trace = [(kind, idx, 1e3 * (a - t0), 1e3 * (b - t0)) for kind, idx, a, b in eng.trace]
+    out_trace = [(kind, idx, 1e3 * (a - t0), 1e3 * (b - t0)) for kind, idx, a, b in eng.worker.trace]
     out_marks = [(lab, 1e3 * (t - t0)) for lab, t in host_marks]
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv),
            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "row": args.row, "phases": {}}

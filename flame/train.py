@@ -30,15 +30,13 @@ from flame.components.chunked_loss import (choose_loss_chunk_tokens, chunked_hea
                                            take_chunked_loss, uninstall_chunked_head)
 from flame.components.loss import IGNORE_INDEX, compiled_cross_entropy_sum, cross_entropy_sum
 from flame.components.metrics import MetricsLogger, write_run_summary
-from flame.components.optimizer import build_optimizers, clip_grad_norm_
 from flame.config.manager import FlameConfigManager, accumulation_steps
 from flame.distributed.device import init_process_group, local_device
-from flame.distributed.parallelize import parallelize
-from flame.distributed.precision import autocast_context
 from flame.errors import ConfigError, NonFiniteError
 from flame.models import build as model_build
 from flame.models.cpu import prepare_model_build
 from flame.offload.gpu_cap import apply_gpu_cap
+from flame.offload import maybe_offload
 from flame.utils import outcome, run_lock
 from flame.utils.autotune import limit_autotune_from_env
 from flame.utils.process_guard import StopRequest, die_with_launcher
@@ -192,37 +190,25 @@ class Trainer(Stateful):
             f"Model {self.model_config.model_type} from {cfg.model.config}: {self.n_params:,} parameters, vocab {vocab}"
         )
 
-        model, self.offload = parallelize(model, pd, cfg, self.device, lambda m: model_build.init_weights(m, seed))
-        if self.offload is None:
-            model.to_empty(device=self.device)
-            model_build.init_weights(model, seed)
-            if self.device.type == "cpu" and any(isinstance(p, DTensor) for p in model.parameters()):
-                _init_like_one_process(model, self.model_config, seed, t.varlen, cfg.lora)
+        def init_weights(m) -> None:
+            model_build.init_weights(m, seed)
+            if self.device.type == "cpu" and any(isinstance(p, DTensor) for p in m.parameters()):
+                _init_like_one_process(m, self.model_config, seed, t.varlen, cfg.lora)
+
+        # the model and its optimizers, parallelized, materialized and initialized (or run by the
+        # host-offload engine, with the same calls)
+        self.parts = maybe_offload(model, pd, cfg, self.device, init_weights)
+        model = self.parts.model
         model.train()
         self.model = model
         self.chunked_head = None
         if t.loss_chunk_tokens > 0:  # validated with the config (no TP)
             self.chunked_head = install_chunked_head(model, t.loss_chunk_tokens)
 
-        # DDP (replicate) averages gradients; the loss is already normalized by global tokens.
-        # The offload engine sums over the ranks (as FSDP does here), whatever the DP layout.
-        self.loss_scale = pd.dp_replicate if (pd.dp_replicate_enabled and not pd.fsdp_enabled
-                                              and self.offload is None) else 1
-        self.amp = autocast_context(pd, t.mixed_precision_param, self.device.type, self.offload is not None)
-
-        if self.offload is not None:
-            from flame.components.optimizer import param_groups
-            from flame.offload.adapter import EngineModelState, EngineOptimizers
-
-            if cfg.optimizer.name == "Muon":  # offload.enable auto chose to offload
-                from flame.components.muon import offload_unsupported
-
-                raise offload_unsupported(cfg.offload.enable)
-
-            groups = param_groups(model, cfg.optimizer.weight_decay, cfg.optimizer.no_weight_decay)
-            self.optimizers = EngineOptimizers(self.offload, cfg.optimizer.lr, len(groups))
-        else:
-            self.optimizers = build_optimizers([model], cfg.optimizer, self.device)
+        # DDP (replicate) averages gradients; the loss is already normalized by global tokens
+        self.loss_scale = self.parts.loss_scale
+        self.amp = self.parts.autocast
+        self.optimizers = self.parts.optimizers
         self.lr_schedulers = build_lr_schedulers(self.optimizers, cfg.lr_scheduler, t.steps)
         # compiled loss with compiled blocks on GPU (fuses the float32 upcast of the logits)
         self.loss_fn = compiled_cross_entropy_sum if _compiled_loss(cfg, self.device) else cross_entropy_sum
@@ -243,8 +229,8 @@ class Trainer(Stateful):
             sd_adapter=None,
             base_folder=cfg.job.dump_folder,
         )
-        if self.offload is not None:
-            self.checkpointer.states["model"] = EngineModelState(self.offload)
+        if self.parts.weights is not None:  # the weights are not the model's parameters
+            self.checkpointer.states["model"] = self.parts.weights
         if cfg.lora.rank > 0 and cfg.lora.dropout > 0:  # the dropout masks continue on resume
             from flame.lora.rng import GeneratorState
 
@@ -338,9 +324,10 @@ class Trainer(Stateful):
         cfg, pd = self.cfg, self.parallel_dims
         lr = self.lr_schedulers.schedulers[0].get_last_lr()[0]
         batches = [self._to_device(b) for b in self.next_batches(data_iter)]
-        if self.offload is not None and self.offload.plan.micro_batch < batches[0]["input_ids"].shape[0]:
+        micro = self.parts.micro_batch
+        if micro and micro < batches[0]["input_ids"].shape[0]:
             # the planner's micro-batch: every loaded batch runs as several forward/backward passes
-            batches = [part for b in batches for part in split_rows(b, self.offload.plan.micro_batch)]
+            batches = [part for b in batches for part in split_rows(b, micro)]
 
         # normalize by the target tokens of the whole optimizer step, over all DP ranks
         local_tokens = sum((b["labels"] != IGNORE_INDEX).sum() for b in batches)
@@ -355,10 +342,7 @@ class Trainer(Stateful):
         self.metrics.tokens_since += step_tokens
         self.metrics.trained_tokens_since += global_tokens  # all DP ranks; a device tensor read at log steps
 
-        if self.offload is not None:
-            grad_norm, skipped = self.optimizers.step(cfg.training.max_norm, cfg.training.skip_nan_inf)
-        else:
-            grad_norm, skipped = self.clip_and_step()
+        grad_norm, skipped = self.clip_and_step()
         if skipped:
             self.skipped_steps += 1
             self.consecutive_skips += 1
@@ -387,7 +371,7 @@ class Trainer(Stateful):
 
     def clip_and_step(self) -> tuple[torch.Tensor, bool]:
         t = self.cfg.training
-        grad_norm = clip_grad_norm_(self.model.parameters(), t.max_norm)  # only measures when max_norm is 0
+        grad_norm = self.parts.clip_grad_norm(t.max_norm)  # only measures when max_norm is 0
         if t.skip_nan_inf and not torch.isfinite(grad_norm).item():
             return grad_norm, True
         self.checkpointer.maybe_wait_for_staging()
@@ -463,7 +447,7 @@ class Trainer(Stateful):
                 self.step += 1
                 stop.poll()  # shares this rank's stop flag while the step runs
                 gc_handler.run(self.step)
-                calibrator = getattr(self.offload, "calibrator", None)
+                calibrator = self.parts.calibrator
                 if calibrator is not None and calibrator.before_step():
                     self.metrics.start_allocated_peak()  # the logger resets the peak at every log
                 self.train_step(data_iter)
@@ -471,7 +455,7 @@ class Trainer(Stateful):
                 if report is not None:
                     self.metrics.log_scalars({f"offload/{k}": v for k, v in report.items()
                                               if isinstance(v, (int, float))}, self.step)
-                    self.offload.calibrator = None  # once per launch
+                    self.parts.calibrator = None  # once per launch
                 self.checkpointer.save(self.step, last_step=self.step == cfg.training.steps)
                 if self._export_with_checkpoint():
                     from flame.components.export import export_trained_model
@@ -530,7 +514,7 @@ class Trainer(Stateful):
 
     def _check_finite_weights(self) -> None:
         """A NaN/Inf weight is never exported (one pass over the local shards, once per run)."""
-        if self.offload is not None or not self.cfg.checkpoint.export_hf:
+        if self.parts.weights is not None or not self.cfg.checkpoint.export_hf:
             return
         bad = torch.zeros((), device=self.device)
         for p in self.model.parameters():

@@ -18,8 +18,8 @@ def export_trained_model(trainer, out_dir: str | None = None) -> str:
 
     cfg = trainer.cfg
     out_dir = out_dir or os.path.join(cfg.job.dump_folder, "hf")
-    if trainer.offload is not None:  # master weights live in the engine (one process)
-        state = {k: v.detach().cpu() for k, v in trainer.offload.model_state_dict().items()}
+    if trainer.parts.weights is not None:  # the weights are not the model's (the offload engine's masters)
+        state = {k: v.detach().cpu() for k, v in trainer.parts.weights.state_dict().items()}
     else:
         state = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     lora = cfg.lora if cfg.lora.rank > 0 else None  # adapters merged into the weights; PEFT files on request

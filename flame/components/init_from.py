@@ -217,13 +217,15 @@ def load_init_from(trainer, resumed: bool) -> None:
     with contextlib.ExitStack() as stack:
         reader = _SafetensorsReader(files, stack)
         pairs = match(trainer.model, reader.shapes, folder)
-        engine = trainer.offload
+        # with offload the weights live outside the model's parameters (the engine's masters), the
+        # buffers stay in the model
+        weights = trainer.parts.weights
         buffers = {id(b) for b in trainer.model.buffers()}
         for names, t, key in pairs:
-            if engine is None or id(t) in buffers:  # the engine holds the parameters, not the buffers
+            if weights is None or id(t) in buffers:
                 _copy_into(t, reader[key])
-        if engine is not None:
-            engine.load_model_state_dict(_ByModelName(reader, [p for p in pairs if id(p[1]) not in buffers]))
+        if weights is not None:
+            weights.load_state_dict(_ByModelName(reader, [p for p in pairs if id(p[1]) not in buffers]))
         dtypes = sorted({str(reader.where[k].get_slice(k).get_dtype()) for _, _, k in pairs})
     if rank0:
         logger.info(f"{OPTION} {folder}: loaded {len(pairs)} tensors ({', '.join(dtypes)}) from {len(files)} "

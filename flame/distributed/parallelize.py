@@ -1,8 +1,8 @@
 """Apply TP, activation checkpointing, per-block compile and FSDP2/HSDP/DDP to a meta model.
 
-``parallelize`` is the one seam where flame decides between the plain plan (FSDP2/DDP) and
-the host-offload plan: the offload engine takes over the blocks when the planner says the
-plain plan does not fit the declared budgets (``offload.enable = auto``) or when asked to.
+``prepare_blocks`` (TP, AC, compile) runs for every run; ``apply_data_parallel`` (FSDP2/HSDP/DDP)
+only when the host-offload engine does not take the model (``flame.offload.maybe_offload``
+decides, between the two). ``parallelize`` is both, for a run without offload.
 """
 
 import torch
@@ -136,59 +136,17 @@ def apply_fsdp(model: nn.Module, mesh, job_config, force_sum: bool) -> None:
                 m.set_force_sum_reduction_for_comms(True)
 
 
-def _clearly_fits(model: nn.Module, parallel_dims, job_config, device: torch.device) -> bool:
-    """First-order check that skips the planner for small models: fp32 master + grads + two
-    AdamW moments + a bf16 compute copy (18 bytes/param) per shard under half the budget."""
-    budget = job_config.offload.gpu_memory_gib
-    total = budget * 2**30 if budget else torch.cuda.get_device_properties(device).total_memory
-    shards = parallel_dims.dp_shard * parallel_dims.tp
-    state = sum(p.numel() for p in model.parameters()) * 18 / max(shards, 1)
-    return state < 0.5 * total
-
-
-def maybe_offload(model: nn.Module, parallel_dims, job_config, device: torch.device, init_fn):
-    """The offload decision: ``on`` always offloads; ``auto`` offloads on a GPU when the planner
-    says the plain plan does not fit the budgets (on CPU there is nothing to offload to)."""
-    mode = job_config.offload.enable
-    if mode == "off" or (mode == "auto" and device.type != "cuda"):
-        return None
-    if getattr(job_config, "lora", None) is not None and job_config.lora.rank > 0:
-        # `on` with LoRA is refused with the config; the engine does not run adapters yet
-        logger.info("offload: LoRA runs the plain plan (the offload engine does not run adapters yet)")
-        return None
-    from flame.offload import apply_offload, build_plan
-
-    world = parallel_dims.world_size
-    if mode == "auto":
-        if _clearly_fits(model, parallel_dims, job_config, device):
-            logger.info("offload: model state uses under half the GPU budget; plain plan, no planner run")
-            return None
-        plan, _, _ = build_plan(model, job_config, device, world)  # shapes only: the model stays on meta
-        if not plan.offloads:
-            logger.info("offload: the plain plan fits the budgets; no offload")
-            return None
-    # the master copy lives in host memory; the engine moves each block where the plan says
-    model.to_empty(device="cpu")
-    init_fn(model)
-    return apply_offload(model, job_config, parallel_dims, device)
-
-
-def parallelize(model: nn.Module, parallel_dims, job_config, device: torch.device, init_fn):
-    """Return ``(model, offload_engine_or_None)`` with every parallelism applied.
-
-    Without offload the model is still on meta (the caller materializes it); with offload it
-    is materialized on the host by ``init_fn`` and owned by the engine.
-    """
+def prepare_blocks(model: nn.Module, parallel_dims, job_config) -> None:
+    """TP, activation checkpointing and per-block compile, in place on the meta model."""
     if parallel_dims.tp_enabled:
         apply_tp(model, parallel_dims.get_mesh("tp"))
     apply_ac(model, job_config.activation_checkpoint)
     if job_config.compile.enable:
         apply_compile(model, job_config.compile)
 
-    engine = maybe_offload(model, parallel_dims, job_config, device, init_fn)
-    if engine is not None:
-        return model, engine
 
+def apply_data_parallel(model: nn.Module, parallel_dims, job_config, device: torch.device) -> None:
+    """FSDP2, HSDP or DDP over the data-parallel ranks, in place (nothing with one rank)."""
     if parallel_dims.fsdp_enabled:
         names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
         apply_fsdp(model, parallel_dims.get_mesh(names), job_config, force_sum=device.type == "cpu")
@@ -197,4 +155,11 @@ def parallelize(model: nn.Module, parallel_dims, job_config, device: torch.devic
         if parallel_dims.tp_enabled:
             raise ConfigError("DDP with tensor parallelism is not supported: use data_parallel_shard_degree > 1 (FSDP2/HSDP)")
         apply_ddp(model, parallel_dims.get_mesh("dp_replicate"), enable_compile=job_config.compile.enable)
-    return model, None
+
+
+def parallelize(model: nn.Module, parallel_dims, job_config, device: torch.device) -> nn.Module:
+    """Every parallelism of a run without offload applied to a meta model (still on meta: the
+    caller materializes it)."""
+    prepare_blocks(model, parallel_dims, job_config)
+    apply_data_parallel(model, parallel_dims, job_config, device)
+    return model

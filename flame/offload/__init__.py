@@ -1,14 +1,18 @@
 """Host-offload engine: plans where every block's state lives and executes the plan.
 
-Trainer entry point: `apply_offload(model, job_config, parallel_dims, device)`.
+Trainer entry point: `maybe_offload(model, parallel_dims, job_config, device, init_fn)` returns
+the model to train and its optimizers, with the engine or without it, as one `TrainingParts`.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
+from torch import nn
 
 from flame.errors import ConfigError
 from flame.offload.config import Offload
@@ -16,7 +20,7 @@ from flame.offload.runtime.collectives import multi_rank
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Offload", "apply_offload", "build_plan"]
+__all__ = ["Offload", "TrainingParts", "build_plan", "maybe_offload"]
 
 
 def _get(obj, path, default):
@@ -190,12 +194,107 @@ def check_parallel_dims(parallel_dims) -> None:
                               "data parallelism only (set it to 1 or offload.enable=off)")
 
 
+def _clearly_fits(model: nn.Module, parallel_dims, job_config, device: torch.device) -> bool:
+    """First-order check that skips the planner for small models: fp32 master + grads + two
+    AdamW moments + a bf16 compute copy (18 bytes/param) per shard under half the budget."""
+    budget = job_config.offload.gpu_memory_gib
+    total = budget * 2**30 if budget else torch.cuda.get_device_properties(device).total_memory
+    shards = parallel_dims.dp_shard * parallel_dims.tp
+    state = sum(p.numel() for p in model.parameters()) * 18 / max(shards, 1)
+    return state < 0.5 * total
+
+
+def _wants_offload(model: nn.Module, parallel_dims, job_config, device: torch.device) -> bool:
+    """The offload decision: ``on`` always offloads; ``auto`` offloads on a GPU when the planner
+    says the plain plan does not fit the budgets (on CPU there is nothing to offload to)."""
+    mode = job_config.offload.enable
+    if mode == "off" or (mode == "auto" and device.type != "cuda"):
+        return False
+    lora = _get(job_config, "lora", None)
+    if lora is not None and lora.rank > 0:
+        # `on` with LoRA is refused with the config; the engine does not run adapters yet
+        logger.info("offload: LoRA runs the plain plan (the offload engine does not run adapters yet)")
+        return False
+    if mode == "auto":
+        if _clearly_fits(model, parallel_dims, job_config, device):
+            logger.info("offload: model state uses under half the GPU budget; plain plan, no planner run")
+            return False
+        plan, _, _ = build_plan(model, job_config, device, parallel_dims.world_size)  # shapes only: the model stays on meta
+        if not plan.offloads:
+            logger.info("offload: the plain plan fits the budgets; no offload")
+            return False
+    return True
+
+
+@dataclass
+class TrainingParts:
+    """The model the trainer trains and what it trains it with: the same calls whether the
+    offload engine runs the model or torch does (one device, FSDP2, HSDP, DDP)."""
+
+    model: nn.Module
+    # torchtitan's optimizers container, or adapter.OffloadOptimizers: step(), zero_grad(),
+    # state_dict(), load_state_dict(), and iteration over the torch optimizers the LR scheduler drives
+    optimizers: object
+    # the step's global grad norm (after the last backward, once a step); the grads are clipped to
+    # max_norm for the next optimizers.step() (max_norm 0: measured only)
+    clip_grad_norm: Callable[[float], torch.Tensor]
+    # the weights when the model's parameters do not hold them (the engine's masters): a Stateful
+    # under the model's state_dict names, for checkpoints and the export; None: the model itself
+    weights: object | None
+    micro_batch: int  # sequences per forward/backward; 0: every loaded batch as it is
+    loss_scale: int  # the loss is multiplied by this before the backward (DDP averages its replicas' grads)
+    autocast: object  # the context the forward runs under
+    calibrator: object | None  # the offload plan's in-run calibration (StepCalibrator), None without
+
+
+def maybe_offload(model: nn.Module, parallel_dims, job_config, device: torch.device,
+                  init_fn: Callable[[nn.Module], None]) -> TrainingParts:
+    """The meta `model` made trainable: TP, activation checkpointing and compile applied; then
+    either the offload engine takes it (built and initialized by `init_fn` on the host) or data
+    parallelism is applied and it is materialized on `device` and initialized by `init_fn`."""
+    from flame.components.optimizer import build_optimizers, clip_grad_norm_, param_groups
+    from flame.distributed.parallelize import apply_data_parallel, prepare_blocks
+    from flame.distributed.precision import autocast_context
+
+    prepare_blocks(model, parallel_dims, job_config)
+    mixed = job_config.training.mixed_precision_param
+    offloaded = None
+    if _wants_offload(model, parallel_dims, job_config, device):
+        if _get(job_config.optimizer, "name", "AdamW") == "Muon":  # offload.enable auto chose to offload
+            from flame.components.muon import offload_unsupported
+
+            raise offload_unsupported(job_config.offload.enable)
+        # the master copy lives in host memory; the engine moves each block where the plan says
+        model.to_empty(device="cpu")
+        init_fn(model)
+        offloaded = apply_offload(model, job_config, parallel_dims, device)
+    if offloaded is None:
+        apply_data_parallel(model, parallel_dims, job_config, device)
+        model.to_empty(device=device)
+        init_fn(model)
+        pd = parallel_dims
+        return TrainingParts(
+            model=model, optimizers=build_optimizers([model], job_config.optimizer, device),
+            clip_grad_norm=lambda max_norm: clip_grad_norm_(model.parameters(), max_norm), weights=None,
+            micro_batch=0, loss_scale=pd.dp_replicate if (pd.dp_replicate_enabled and not pd.fsdp_enabled) else 1,
+            autocast=autocast_context(pd, mixed, device.type, False), calibrator=None)
+    from flame.offload.adapter import EngineModelState, OffloadOptimizers
+
+    engine, calibrator = offloaded
+    groups = param_groups(model, job_config.optimizer.weight_decay, job_config.optimizer.no_weight_decay)
+    optimizers = OffloadOptimizers(engine, job_config.optimizer.lr, len(groups))
+    # the engine sums the grads over the ranks (as FSDP does), whatever the data-parallel layout
+    return TrainingParts(model=model, optimizers=optimizers, clip_grad_norm=optimizers.clip_grad_norm_,
+                         weights=EngineModelState(engine), micro_batch=engine.plan.micro_batch, loss_scale=1,
+                         autocast=autocast_context(parallel_dims, mixed, device.type, True), calibrator=calibrator)
+
+
 def apply_offload(model, job_config, parallel_dims, device):
     """Plan and, when the plan offloads (or offload.enable=on), wrap `model` in an OffloadEngine.
 
     `model` must be materialized (CPU or GPU) and initialized, with fp32/master values; the engine
-    moves every block to where the plan puts it. Returns None when offload is off, or enable=auto
-    and everything fits (the trainer then runs its plain FSDP2 path, no overhead)."""
+    moves every block to where the plan puts it. Returns (engine, calibrator or None), or None
+    when offload is off, or enable=auto and everything fits (the plain path then, no overhead)."""
     from flame.offload.runtime.engine import OffloadEngine
     from flame.offload.planner.solver import describe
 
@@ -230,10 +329,10 @@ def apply_offload(model, job_config, parallel_dims, device):
         description=text,
     )
     logger.info("%s", text)
+    calibrator = None
     if off.calibrate and costs is not None:
         from flame.offload.measure.calibration import StepCalibrator
 
-        engine.calibrator = StepCalibrator(engine, plan, costs, prof, off.overrides,
-                                           _get(job_config, "job.dump_folder", "."), off.depths(),
-                                           write=_rank() == 0)
-    return engine
+        calibrator = StepCalibrator(engine, plan, costs, prof, off.overrides, _get(job_config, "job.dump_folder", "."),
+                                    off.depths(), write=_rank() == 0)
+    return engine, calibrator

@@ -1,9 +1,11 @@
 """Present an OffloadEngine to the trainer as torchtitan expects optimizers and model state.
 
-- ``EngineOptimizers`` is what the LR scheduler, the checkpoint manager and the training step
-  talk to: it iterates over one parameter-less "lr holder" optimizer that torchtitan's
-  LambdaLR drives, steps the engine with the holder's current lr, and saves/loads the engine's
-  optimizer state (DCP-flattened names, as a non-offloaded run writes them).
+- ``OffloadOptimizers`` is what the LR scheduler, the checkpoint manager and the training step
+  talk to, with the calls of torch optimizers (``step()``, ``zero_grad()``, ``state_dict()``,
+  ``load_state_dict()``) plus ``clip_grad_norm_(max_norm)`` where a plain run calls torch's:
+  it iterates over one parameter-less "lr holder" optimizer that torchtitan's LambdaLR drives,
+  steps the engine with the holder's current lr, and saves/loads the engine's optimizer state
+  (DCP-flattened names, as a non-offloaded run writes them).
 - ``EngineModelState`` replaces the checkpoint manager's model entry: the master weights live in
   the engine (host or GPU), under the names ``model.state_dict()`` uses.
 """
@@ -12,7 +14,7 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
 
-class EngineOptimizers(Stateful):
+class OffloadOptimizers(Stateful):
     def __init__(self, engine, lr: float, num_groups: int):
         self.engine = engine
         # LambdaLR needs a torch optimizer; this one holds only the schedule's lr, with as many
@@ -31,8 +33,14 @@ class EngineOptimizers(Stateful):
     def lr(self) -> float:
         return self.lr_holder.param_groups[0]["lr"]
 
-    def step(self, max_norm: float, skip_nan_inf: bool):
-        return self.engine.optimizer_step(max_norm, skip_nan_inf, lr=self.lr)
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """The step's global grad norm, after the last backward, once a step (the engine's one
+        host sync); the next step() clips the grads to `max_norm` (0: no clipping)."""
+        return self.engine.clip_grad_norm_(max_norm)
+
+    def step(self) -> None:
+        """Step every unit at the schedule's current lr (host units on the CPU worker)."""
+        self.engine.step(lr=self.lr)
 
     def zero_grad(self) -> None:
         self.engine.zero_grad()

@@ -69,17 +69,18 @@ def _worker(rank, init, out):
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=WORLD)
     torch.set_num_threads(1)
     res = {}
-    import flame.offload.runtime.engine as engine
+    import flame.offload.runtime.gradients as gradients
 
     for name, outer, rounds, accs, outer_acc, tie, dts in CASES:
-        engine.CONV_CHUNK = 7 if name.endswith("chunk7") else 1 << 25
+        gradients.CONV_CHUNK = 7 if name.endswith("chunk7") else 1 << 25
         model = tiny_odd(seed=3, tie=tie)
         eng = _engine(model, plan(MODES, ACTS, outer, rounds, accs=accs, outer_acc=outer_acc, dtypes=dts or F32))
         losses, norms = _train(model, eng, batches(STEPS, rounds, seed=4), rounds, rank, WORLD)
         sd = eng.state_dict()  # a collective: every rank
-        shapes = {u.name: (u.numel, u.master.numel(), u.w_host.numel() if u.mode != "gpu" else None,
-                           u.g_stage.numel() if u.mode != "gpu" else None, u.gacc.numel(),
-                           u.opt.state[u.master]["exp_avg"].numel(), (u.lo, u.sn, u.pn), u.mode) for u in eng.units}
+        shapes = {u.name: (u.numel, u.optimizer.master.numel(), u.weights.host.numel() if u.mode != "gpu" else None,
+                           u.grads.staging.numel() if u.mode != "gpu" else None, u.grads.accumulator.numel(),
+                           u.optimizer.adamw.state[u.optimizer.master]["exp_avg"].numel(),
+                           (u.shard_start, u.shard_numel, u.padded_numel), u.mode) for u in eng.units}
         res[name] = {"losses": losses, "norms": norms, "shapes": shapes}
         if name in RESUMED:  # the full state dict loaded back into 2 ranks (each takes its slices)
             other = tiny_odd(seed=7, tie=tie)

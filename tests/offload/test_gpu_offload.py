@@ -199,7 +199,7 @@ def test_offloaded_activations_match_kept_and_lower_the_peak():
             n, _ = eng.optimizer_step(1.0, True)
             runs[act].append((l.item(), float(n)))
         if act == "offload":
-            arenas = [u.acts.nbytes for u in eng.units if u.acts is not None]
+            arenas = [u.activations.nbytes for u in eng.units if u.activations is not None]
             want = [u.act_offload_bytes for u in costs.layers]
             print("arena bytes", arenas, "measured on meta", want)
             assert all(abs(a - w) <= 0.1 * w for a, w in zip(arenas, want))

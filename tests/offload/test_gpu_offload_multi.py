@@ -35,7 +35,7 @@ def _worker(rank, init, out):
         eng = _engine(model, plan(MODES, ACTS, "host_opt", rounds, accs=accs, outer_acc=outer_acc, dtypes=dts), dev)
         losses, norms = _train(model, eng, batches(STEPS, rounds, seed=4), rounds, rank, WORLD, dev)
         sd = eng.state_dict()
-        host = [(u.numel, u.sn, u.w_host.numel(), u.master.numel(), len(eng.pinned_ptrs) > 0)
+        host = [(u.numel, u.shard_numel, u.weights.host.numel(), u.optimizer.master.numel(), len(eng.pinned.ptrs) > 0)
                 for u in eng.units if u.mode != "gpu"]
         res[name] = {"losses": losses, "norms": norms, "host": host, "report": eng.memory_report()}
         if rank == 0:

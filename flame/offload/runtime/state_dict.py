@@ -12,22 +12,18 @@ import torch
 
 from flame.errors import ConfigError
 from flame.offload.runtime.collectives import all_gather_flat
-from flame.offload.runtime.units import Unit, _same
+from flame.offload.runtime.units import Unit
 
 
 class EngineStateDict:
-    def _views(self, u: Unit, flat: torch.Tensor):
-        for (fqn, p), o in zip(u.params, u.offsets):
-            yield fqn, p, flat[o:o + p.numel()].view(p.shape)
-
     def _full(self, u: Unit, shard: torch.Tensor) -> torch.Tensor:
         """The whole unit's flat values from every rank's shard (all-gathered: a collective all
         ranks must enter, a transient of the full unit on the comm device and a full copy on the
         host of every rank); the shard itself when the unit is not sharded."""
         if not u.sharded:
             return shard
-        out = torch.empty(u.pn, dtype=shard.dtype, device=self.comm_dev)
-        all_gather_flat(out, shard.to(self.comm_dev), self.group)
+        out = torch.empty(u.padded_numel, dtype=shard.dtype, device=self.comm_device)
+        all_gather_flat(out, shard.to(self.comm_device), self.group)
         return out[:u.numel].to(shard.device)
 
     def _load_shard(self, u: Unit, dst: torch.Tensor, sd: dict, key) -> None:
@@ -41,7 +37,7 @@ class EngineStateDict:
                 raise ConfigError(f"checkpoint: missing key {key(fqn)!r}")
             src = sd[key(fqn)].reshape(-1)[ab[0] - o:ab[1] - o]
             # the master may be the pinned compute copy and the source a GPU tensor
-            self._xfer(dst, ab[0] - u.lo, ab[1] - u.lo, src, to_host=True, non_blocking=False)
+            self.streams.copy(dst, ab[0] - u.shard_start, ab[1] - u.shard_start, src, to_host=True, non_blocking=False)
 
     def model_state_keys(self) -> list[str]:
         """The names model_state_dict returns (no gathering)."""
@@ -55,7 +51,7 @@ class EngineStateDict:
         self.synchronize()
         out = {}
         for u in self.units:
-            for fqn, p, v in self._views(u, self._full(u, u.master.data)):
+            for fqn, p, v in u.views(self._full(u, u.optimizer.master.data)):
                 for name in self.fqns[id(p)]:
                     out[name] = v
         persistent = self.model.state_dict().keys()
@@ -71,22 +67,8 @@ class EngineStateDict:
             for fqn, _ in u.params:
                 if fqn not in sd:
                     raise ConfigError(f"checkpoint: missing key {fqn!r}")
-            self._load_shard(u, u.master.data, sd, lambda fqn: fqn)
-            self._refresh_compute(u)
-
-    def _refresh_compute(self, u: Unit) -> None:
-        if u.mode == "gpu":
-            if not _same(u.w, u.master):
-                u.w.copy_(u.master.data)
-        else:
-            if not _same(u.w_host, u.master):
-                u.w_host.copy_(u.master.data)
-            if u.mode == "host_opt":
-                self._xfer(u.w_host, 0, u.sn, u.w[u.lo:], to_host=False, non_blocking=False)
-                if u.sharded:
-                    all_gather_flat(u.w, u.w[u.lo:u.lo + u.sn], self.group)
-            elif u.slot is not None:
-                u.slot.owner, u.slot = None, None
+            self._load_shard(u, u.optimizer.master.data, sd, lambda fqn: fqn)
+            self.schedule.refresh_from_master(u, u.optimizer.master.data)
 
     def optimizer_state_dict(self) -> dict:
         """Flattened like torch.distributed.checkpoint's get_optimizer_state_dict:
@@ -95,16 +77,17 @@ class EngineStateDict:
         self.synchronize()
         out = {}
         for u in self.units:
-            if not u.opt.state.get(u.master):
+            master, adamw = u.optimizer.master, u.optimizer.adamw
+            if not adamw.state.get(master):
                 # DCP loads into the tensors this returns: before the first step they must exist.
                 # Zero moments at step 0 are exactly what AdamW starts from.
-                u.opt.state[u.master] = {
-                    "step": torch.zeros((), dtype=torch.float32, device=u.master.device),
-                    "exp_avg": torch.zeros_like(u.master.data),
-                    "exp_avg_sq": torch.zeros_like(u.master.data),
+                adamw.state[master] = {
+                    "step": torch.zeros((), dtype=torch.float32, device=master.device),
+                    "exp_avg": torch.zeros_like(master.data),
+                    "exp_avg_sq": torch.zeros_like(master.data),
                 }
-            st = u.opt.state[u.master]
-            group = {k: v for k, v in u.opt.param_groups[0].items() if k != "params"}
+            st = adamw.state[master]
+            group = {k: v for k, v in adamw.param_groups[0].items() if k != "params"}
             full = {k: self._full(u, st[k]) for k in ("exp_avg", "exp_avg_sq") if k in st}
             for (fqn, p), o in zip(u.params, u.offsets):
                 for k, flat in full.items():
@@ -113,25 +96,27 @@ class EngineStateDict:
                     out[f"state.{fqn}.step"] = st["step"]
                 for k, v in group.items():
                     out[f"param_groups.{fqn}.{k}"] = v
-                out[f"param_groups.{fqn}.weight_decay"] = 0.0 if fqn in self.no_decay else self.wd
+                out[f"param_groups.{fqn}.weight_decay"] = (0.0 if fqn in self.optimizer.no_decay
+                                                           else self.optimizer.weight_decay)
         return out
 
     def load_optimizer_state_dict(self, sd: dict) -> None:
         self.synchronize()
         for u in self.units:
+            master, adamw = u.optimizer.master, u.optimizer.adamw
             fqn0 = u.params[0][0]
             if f"state.{fqn0}.exp_avg" not in sd:
                 continue
             st = {"step": torch.as_tensor(sd[f"state.{fqn0}.step"], dtype=torch.float32).clone().reshape(())}
             for k in ("exp_avg", "exp_avg_sq"):
-                flat = torch.zeros_like(u.master.data)  # this rank's shard, zero padding
+                flat = torch.zeros_like(master.data)  # this rank's shard, zero padding
                 self._load_shard(u, flat, sd, lambda fqn: f"state.{fqn}.{k}")
                 st[k] = flat
-            u.opt.state[u.master] = st
+            adamw.state[master] = st
             for k in ("lr", "betas", "eps"):  # weight decay stays per parameter (see _decay)
                 key = f"param_groups.{fqn0}.{k}"
                 if key in sd:
-                    u.opt.param_groups[0][k] = sd[key]
+                    adamw.param_groups[0][k] = sd[key]
 
     def state_dict(self) -> dict:
         return {"model": self.model_state_dict(), "optimizer": self.optimizer_state_dict()}

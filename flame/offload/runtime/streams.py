@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import torch
+
+
+PIN_PIECE_BYTES = 1 << 30  # cudaHostRegister granularity of the engine's pinned buffers
 
 
 class _NullEvent:
@@ -19,10 +23,12 @@ class _NullEvent:
 
 
 class Streams:
-    """The compute stream (the caller's current stream), an H2D and a D2H copy stream."""
+    """The compute stream (the caller's current stream), an H2D and a D2H copy stream, and the
+    copies between pinned host buffers (page-locked in pieces of `pin_piece_bytes`) and the GPU."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, pin_piece_bytes: int = PIN_PIECE_BYTES):
         self.cuda = device.type == "cuda"
+        self.pin_piece_bytes = pin_piece_bytes
         self.h2d = self.d2h = None
         if self.cuda:
             self.h2d = torch.cuda.Stream(device)
@@ -48,8 +54,10 @@ class Streams:
             e.record(stream or torch.cuda.current_stream())
         return e
 
-
-PIN_PIECE_BYTES = 1 << 30  # cudaHostRegister granularity of the engine's pinned buffers
+    def copy(self, host: torch.Tensor, lo: int, hi: int, dev: torch.Tensor, to_host: bool,
+             non_blocking: bool = True) -> None:
+        """host[lo:hi] <-> dev[:hi - lo] in the pieces `host` was page-locked in."""
+        copy_pieces(host, lo, hi, dev, to_host, self.pin_piece_bytes, non_blocking)
 
 
 def piece_ranges(lo: int, hi: int, piece: int) -> list[tuple[int, int]]:
@@ -101,3 +109,31 @@ def unregister_pinned(ptrs: list[int]) -> None:
         rt = torch.cuda.cudart()
         for p in ptrs:
             rt.cudaHostUnregister(p)
+
+
+class PinnedBuffers:
+    """Host buffers page-locked on a background thread (while the GPU side is set up); `join`
+    before any copy touches them, `release` to unpin."""
+
+    def __init__(self, piece_bytes: int = PIN_PIECE_BYTES):
+        self.piece_bytes = piece_bytes
+        self.ptrs: list[int] = []
+        self.thread: threading.Thread | None = None
+
+    def register_in_background(self, tensors: list[torch.Tensor]) -> None:
+        def pin_all():
+            for t in tensors:
+                self.ptrs += register_pinned(t, self.piece_bytes)
+
+        self.thread = threading.Thread(target=pin_all, daemon=True)
+        self.thread.start()
+
+    def join(self) -> None:
+        """Wait for the background page-locking: no copy may touch a range being registered."""
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+
+    def release(self) -> None:
+        unregister_pinned(self.ptrs)
+        self.ptrs = []

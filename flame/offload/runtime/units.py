@@ -1,65 +1,112 @@
-"""The engine's units (a decoder block, or "outer": everything else) and GPU weight slots."""
+"""The engine's units (a decoder block, or "outer": everything else) and GPU buffer slots.
+
+A unit's parameters are views into flat buffers. With data parallelism (world > 1) a host unit's
+flat range is padded to a multiple of the world size and each rank owns one shard of it; "gpu"
+units stay whole on every rank. Each part of the engine keeps its own state of a unit in its own
+record: `weights` (schedule.UnitWeights), `grads` (gradients.UnitGrads), `optimizer`
+(host_optimizer.UnitOptimizer); each is set once by that part when the engine builds the unit.
+"""
 
 from __future__ import annotations
 
 import threading
+from dataclasses import InitVar, dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 
+if TYPE_CHECKING:
+    from flame.offload.runtime.activations import HostActivations
+    from flame.offload.runtime.gradients import UnitGrads
+    from flame.offload.runtime.host_optimizer import UnitOptimizer
+    from flame.offload.runtime.schedule import UnitWeights
 
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+
+def same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """`a` and `b` are the same memory in the same dtype (a copy between them is a no-op)."""
     return a.data_ptr() == b.data_ptr() and a.dtype == b.dtype
 
 
+def set_event() -> threading.Event:
+    """A threading.Event that starts set (nothing pending)."""
+    e = threading.Event()
+    e.set()
+    return e
+
+
+@dataclass(eq=False)
+class Slot:
+    """A GPU buffer lent to one unit at a time (weights of a streamed unit, or its grads)."""
+
+    buffer: torch.Tensor
+    owner: Unit | None = None
+    free: object = None  # event: the last GPU work that read the buffer (the next fill waits for it)
+    last_use: int = -1  # the schedule's counter when lent: the least recently used slot is lent next
+
+
+@dataclass(eq=False)
 class Unit:
-    def __init__(self, idx: int, name: str, params: list[tuple[str, nn.Parameter]], mode: str, act: str):
-        self.idx, self.name, self.mode, self.act = idx, name, mode, act
-        self.params = params  # (fqn, param), unique params
+    index: int  # 0: outer, i + 1: block i
+    name: str
+    params: list[tuple[str, nn.Parameter]]  # (first name, parameter), each parameter once
+    mode: str  # gpu | host_opt | stream (see the engine's module docstring)
+    activation_mode: str  # keep | selective | recompute | offload
+    accumulate_on_gpu: bool  # host unit, several micro-batches: grads summed on the GPU, sent once a step
+    world: InitVar[int] = 1
+    rank: InitVar[int] = 0
+    offsets: list[int] = field(init=False)  # of every parameter in the flat buffers
+    numel: int = field(init=False)
+    sharded: bool = field(init=False)  # host unit with several data-parallel ranks
+    padded_numel: int = field(init=False)  # numel rounded up to a multiple of the world size
+    shard_numel: int = field(init=False)  # elements this rank owns (numel when not sharded)
+    shard_start: int = field(init=False)  # first owned element (0 when not sharded)
+    # ranges of the (shard of the) master excluded from weight decay: (start, length)
+    no_decay_ranges: list[tuple[int, int]] = field(default_factory=list)
+    activations: HostActivations | None = None  # activation_mode == "offload": the block's host arena
+    weights: UnitWeights | None = None
+    grads: UnitGrads | None = None
+    optimizer: UnitOptimizer | None = None
+
+    def __post_init__(self, world: int, rank: int) -> None:
         self.offsets, off = [], 0
-        for _, p in params:
+        for _, p in self.params:
             self.offsets.append(off)
             off += p.numel()
         self.numel = off
-        self.slot = None  # stream: the GPU slot holding the weights
-        self.gslot = None
-        self.ready = None  # event: weights on the GPU
-        self.g_free = None  # event: GPU grad buffer free again
-        self.d2h_done = None
-        self.cpu_done = threading.Event()
-        self.cpu_done.set()
-        self.stage_free = threading.Event()
-        self.stage_free.set()
-        self.count = 0
-        self.flushed = False
-        self.needs_h2d = False
-        self.gpu_acc = False  # grads accumulated on the GPU over the rounds (host units, rounds > 1)
-        self.gacc_dev = None
-        self.sent = False  # this step's accumulated grads went to the host
-        self.host_sq = None  # squared norm of the host accumulator, once its last round is added
-        # data-parallel shard of the flat buffers (see the module doc): padded numel, shard numel,
-        # first owned element; the whole unit (pn = sn = numel, lo = 0) with one rank or in "gpu" mode
-        self.sharded = False
-        self.pn = self.sn = self.numel
-        self.lo = 0
-        self.gsh = None  # GPU shard the full grad is reduce-scattered into
-        self.gsh_free = None  # event: gsh read by its D2H
-        self.acts = None  # activations offloaded to host (act == "offload"): a HostActivations
+        self.sharded = world > 1 and self.mode != "gpu"
+        self.padded_numel = -(-off // world) * world if self.sharded else off
+        self.shard_numel = self.padded_numel // world if self.sharded else off
+        self.shard_start = rank * self.shard_numel if self.sharded else 0
 
     def owned(self, o: int, n: int) -> tuple[int, int] | None:
         """[a, b): the part of flat range [o, o + n) this rank owns, in flat coordinates."""
-        a, b = max(o, self.lo), min(o + n, self.lo + self.sn)
+        a, b = max(o, self.shard_start), min(o + n, self.shard_start + self.shard_numel)
         return (a, b) if a < b else None
 
-    def bind(self, flat: torch.Tensor, grad: bool = False) -> None:
+    def owned_slice(self, buf: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of a full (padded) flat buffer of the unit."""
+        return buf[self.shard_start:self.shard_start + self.shard_numel]
+
+    def flat_values(self, dtype: torch.dtype, device) -> torch.Tensor:
+        """The parameters' current values on this rank as one flat tensor: its shard, zero padding
+        included."""
+        t = (torch.zeros if self.sharded else torch.empty)(self.shard_numel, dtype=dtype, device=device)
         for (_, p), o in zip(self.params, self.offsets):
-            v = flat[o:o + p.numel()].view(p.shape)
+            ab = self.owned(o, p.numel())
+            if ab:
+                t[ab[0] - self.shard_start:ab[1] - self.shard_start].copy_(p.data.reshape(-1)[ab[0] - o:ab[1] - o])
+        return t
+
+    def views(self, flat: torch.Tensor):
+        """(name, parameter, view of `flat` shaped like it) for every parameter."""
+        for (fqn, p), o in zip(self.params, self.offsets):
+            yield fqn, p, flat[o:o + p.numel()].view(p.shape)
+
+    def bind(self, flat: torch.Tensor, grad: bool = False) -> None:
+        """Point every parameter's data (or grad) at its view of `flat`."""
+        for _, p, v in self.views(flat):
             if grad:
                 p.grad = v
             else:
                 p.data = v
-
-
-class _Slot:
-    def __init__(self, buf):
-        self.buf, self.owner, self.free, self.last_use = buf, None, None, -1

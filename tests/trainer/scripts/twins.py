@@ -17,7 +17,7 @@ def reference_and_parallel(config: str, cfg, parallel_dims, device):
     state = {k: v.clone() for k, v in ref.state_dict().items()}
 
     model = build.build_meta_model(build.load_model_config(config))
-    model, _ = parallelize(model, parallel_dims, cfg, device, None)
+    model = parallelize(model, parallel_dims, cfg, device)
     model.to_empty(device=device)
     build.init_weights(model, seed=1)  # also re-creates non-persistent buffers (rotary inv_freq)
     if not any(isinstance(p, DTensor) for p in model.parameters()):  # DDP: plain replicated tensors
