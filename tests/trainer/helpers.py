@@ -1,10 +1,15 @@
 """Run flame jobs and torchrun scripts as subprocesses, as a user would."""
 
+import atexit
 import json
 import os
+import select
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 
 import pytest
 import torch
@@ -31,15 +36,86 @@ def torchrun(nproc: int, target: list[str], timeout: int = 300) -> subprocess.Co
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=PYTHONPATH)
     if nproc == 1:
         # one rank needs no launcher: the worker alone, with the environment torchrun would give it
-        # (saves the agent's interpreter and torch import, a few seconds per job on 2 cores); the
-        # multi-rank jobs keep going through torchrun
+        # (saves the agent's interpreter and torch import, a few seconds per job on 2 cores), forked
+        # from a warm interpreter where its environment allows; the multi-rank jobs keep going
+        # through torchrun
         cmd = [sys.executable, *target]
         env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", GROUP_RANK="0",
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        return _JOB_SERVER.run(cmd, target, env, timeout)
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
                "--master_port", str(free_port()), *target]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+
+
+class _JobServer:
+    """One warm ``tests.trainer.job_server`` per test process (see its docstring), started on first use.
+
+    A job goes to it only when its environment equals the server's apart from the per-job names
+    below: anything a test changed (``monkeypatch.setenv``) may be read at import time, so such a
+    job starts a fresh interpreter instead. ``FLAME_TEST_FRESH_INTERPRETERS=1`` sends every job there."""
+
+    PER_JOB = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
+               "PYTEST_CURRENT_TEST"}
+
+    def __init__(self):
+        self.proc = None
+        self.shared_env = None
+
+    def _shared(self, env: dict) -> dict:
+        return {k: v for k, v in env.items() if k not in self.PER_JOB}
+
+    def _start(self, env: dict) -> None:
+        self.close()
+        self.shared_env = self._shared(env)
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.trainer.job_server"], cwd=ROOT, env=self.shared_env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.stdin.close()
+            self.proc.wait()
+            self.proc = None
+
+    def _read(self, deadline: float | None) -> dict | None:
+        wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if not select.select([self.proc.stdout], [], [], wait)[0]:
+            return None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the job server exited ({self.proc.wait()})")
+        return json.loads(line)
+
+    def run(self, cmd: list[str], target: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
+        if os.environ.get("FLAME_TEST_FRESH_INTERPRETERS") == "1" or not (
+                target[0] == "-m" or target[0].endswith(".py")):
+            return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+        if self.proc is None or self.proc.poll() is not None:
+            self._start(env)
+        elif self._shared(env) != self.shared_env:
+            return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+        with tempfile.TemporaryDirectory(prefix="flame-job-") as tmp:
+            out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
+            for path in (out, err):
+                open(path, "w").close()
+            self.proc.stdin.write(json.dumps({"target": target, "env": env, "cwd": ROOT, "stdout": out,
+                                              "stderr": err}) + "\n")
+            self.proc.stdin.flush()
+            pid = self._read(None)["pid"]
+            reply = self._read(time.monotonic() + timeout)
+            if reply is None:
+                os.kill(pid, signal.SIGKILL)
+                self._read(None)
+            with open(out) as f_out, open(err) as f_err:
+                stdout, stderr = f_out.read(), f_err.read()
+        if reply is None:
+            raise subprocess.TimeoutExpired(cmd, timeout, stdout, stderr)
+        return subprocess.CompletedProcess(cmd, reply["returncode"], stdout, stderr)
+
+
+_JOB_SERVER = _JobServer()
+atexit.register(_JOB_SERVER.close)
 
 
 def tiny_job(dump: str, *extra: str, config: str = TINY_LLAMA, precision: str | None = "float32") -> list[str]:
