@@ -6,3 +6,11 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# pytest-xdist workers (pyproject addopts -n) share the cores: each takes its share for torch's
+# intra-op threads instead of one per core each, which oversubscribes them
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))

@@ -33,16 +33,15 @@ def torchrun(nproc: int, target: list[str], timeout: int = 300) -> subprocess.Co
     if torch.cuda.is_available() and torch.cuda.device_count() < nproc:
         # on a GPU machine each rank takes its own device (NCCL refuses two ranks on one GPU)
         pytest.skip(f"{nproc} ranks need {nproc} CUDA devices, this machine has {torch.cuda.device_count()}")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=PYTHONPATH)
+    env = dict(os.environ, **JOB_ENV)
     if nproc == 1:
         # one rank needs no launcher: the worker alone, with the environment torchrun would give it
         # (saves the agent's interpreter and torch import, a few seconds per job on 2 cores), forked
         # from a warm interpreter where its environment allows; the multi-rank jobs keep going
         # through torchrun
-        cmd = [sys.executable, *target]
         env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", GROUP_RANK="0",
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-        return _JOB_SERVER.run(cmd, target, env, timeout)
+        return _JOB_SERVER.run(target, env, timeout)
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
                "--master_port", str(free_port()), *target]
@@ -52,25 +51,20 @@ def torchrun(nproc: int, target: list[str], timeout: int = 300) -> subprocess.Co
 class _JobServer:
     """One warm ``tests.trainer.job_server`` per test process (see its docstring), started on first use.
 
-    A job goes to it only when its environment equals the server's apart from the per-job names
-    below: anything a test changed (``monkeypatch.setenv``) may be read at import time, so such a
-    job starts a fresh interpreter instead. ``FLAME_TEST_FRESH_INTERPRETERS=1`` sends every job there."""
+    A job goes to it only when its environment is the one the test session started with (plus
+    ``JOB_ENV``) apart from the per-job names below: anything a test changed (``monkeypatch.setenv``)
+    may be read at import time, so such a job starts a fresh interpreter instead.
+    ``FLAME_TEST_FRESH_INTERPRETERS=1`` sends every job there."""
 
     PER_JOB = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
                "PYTEST_CURRENT_TEST"}
 
-    def __init__(self):
+    def __init__(self, env: dict):
         self.proc = None
-        self.shared_env = None
+        self.shared_env = self._shared(env)
 
     def _shared(self, env: dict) -> dict:
         return {k: v for k, v in env.items() if k not in self.PER_JOB}
-
-    def _start(self, env: dict) -> None:
-        self.close()
-        self.shared_env = self._shared(env)
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.trainer.job_server"], cwd=ROOT, env=self.shared_env,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
     def close(self) -> None:
         if self.proc is not None:
@@ -87,14 +81,15 @@ class _JobServer:
             raise RuntimeError(f"the job server exited ({self.proc.wait()})")
         return json.loads(line)
 
-    def run(self, cmd: list[str], target: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
-        if os.environ.get("FLAME_TEST_FRESH_INTERPRETERS") == "1" or not (
-                target[0] == "-m" or target[0].endswith(".py")):
+    def run(self, target: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
+        """``python *target`` (a ``-m module`` or a script) in ROOT with ``env``, as subprocess.run reports it."""
+        cmd = [sys.executable, *target]
+        if (os.environ.get("FLAME_TEST_FRESH_INTERPRETERS") == "1" or self._shared(env) != self.shared_env
+                or not (target[0] == "-m" or target[0].endswith(".py"))):
             return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
         if self.proc is None or self.proc.poll() is not None:
-            self._start(env)
-        elif self._shared(env) != self.shared_env:
-            return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+            self.proc = subprocess.Popen([sys.executable, "-m", "tests.trainer.job_server"], cwd=ROOT,
+                                         env=self.shared_env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         with tempfile.TemporaryDirectory(prefix="flame-job-") as tmp:
             out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
             for path in (out, err):
@@ -114,8 +109,15 @@ class _JobServer:
         return subprocess.CompletedProcess(cmd, reply["returncode"], stdout, stderr)
 
 
-_JOB_SERVER = _JobServer()
+# what every job gets on top of the session's environment
+JOB_ENV = {"OMP_NUM_THREADS": "1", "PYTHONPATH": PYTHONPATH}
+_JOB_SERVER = _JobServer(dict(os.environ, **JOB_ENV))
 atexit.register(_JOB_SERVER.close)
+
+
+def run_python(target: list[str], env: dict | None = None, timeout: int = 120) -> subprocess.CompletedProcess:
+    """``python *target`` in ROOT (``env``: the session's environment plus ``JOB_ENV``), from the warm interpreter."""
+    return _JOB_SERVER.run(target, dict(os.environ, **JOB_ENV) if env is None else env, timeout)
 
 
 def tiny_job(dump: str, *extra: str, config: str = TINY_LLAMA, precision: str | None = "float32") -> list[str]:
