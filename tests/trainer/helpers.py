@@ -30,22 +30,18 @@ def free_port() -> int:
 
 
 def torchrun(nproc: int, target: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
+    """``torchrun --nproc_per_node nproc *target``: each rank with the environment torchrun gives it,
+    forked from a warm interpreter (``_JobServer``) where the job's environment allows; the output
+    is the ranks' in rank order."""
     if torch.cuda.is_available() and torch.cuda.device_count() < nproc:
         # on a GPU machine each rank takes its own device (NCCL refuses two ranks on one GPU)
         pytest.skip(f"{nproc} ranks need {nproc} CUDA devices, this machine has {torch.cuda.device_count()}")
     env = dict(os.environ, **JOB_ENV)
-    if nproc == 1:
-        # one rank needs no launcher: the worker alone, with the environment torchrun would give it
-        # (saves the agent's interpreter and torch import, a few seconds per job on 2 cores), forked
-        # from a warm interpreter where its environment allows; the multi-rank jobs keep going
-        # through torchrun
-        env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", GROUP_RANK="0",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-        return _JOB_SERVER.run(target, env, timeout)
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               "--master_port", str(free_port()), *target]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+    port = str(free_port())
+    ranks = [dict(env, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+                  GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=port) for r in range(nproc)]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", port]
+    return _JOB_SERVER.run(target, ranks, timeout, launcher=launcher)
 
 
 class _JobServer:
@@ -81,29 +77,36 @@ class _JobServer:
             raise RuntimeError(f"the job server exited ({self.proc.wait()})")
         return json.loads(line)
 
-    def run(self, target: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
-        """``python *target`` (a ``-m module`` or a script) in ROOT with ``env``, as subprocess.run reports it."""
-        cmd = [sys.executable, *target]
-        if (os.environ.get("FLAME_TEST_FRESH_INTERPRETERS") == "1" or self._shared(env) != self.shared_env
+    def run(self, target: list[str], ranks: list[dict], timeout: float,
+            launcher: list[str] | None = None) -> subprocess.CompletedProcess:
+        """``python *target`` (a ``-m module`` or a script) in ROOT, one process per environment in
+        ``ranks``, as subprocess.run reports it. Where the server cannot take the job, one rank runs
+        as ``python *target`` and several under ``launcher`` (torchrun, which makes their environments)."""
+        cmd = [sys.executable, *target] if len(ranks) == 1 else [*launcher, *target]
+        if (os.environ.get("FLAME_TEST_FRESH_INTERPRETERS") == "1"
+                or any(self._shared(env) != self.shared_env for env in ranks)
                 or not (target[0] == "-m" or target[0].endswith(".py"))):
+            env = ranks[0] if len(ranks) == 1 else self._shared(ranks[0])
             return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
         if self.proc is None or self.proc.poll() is not None:
             self.proc = subprocess.Popen([sys.executable, "-m", "tests.trainer.job_server"], cwd=ROOT,
                                          env=self.shared_env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         with tempfile.TemporaryDirectory(prefix="flame-job-") as tmp:
-            out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
-            for path in (out, err):
+            files = [(os.path.join(tmp, f"stdout{r}"), os.path.join(tmp, f"stderr{r}")) for r in range(len(ranks))]
+            for path in (p for pair in files for p in pair):
                 open(path, "w").close()
-            self.proc.stdin.write(json.dumps({"target": target, "env": env, "cwd": ROOT, "stdout": out,
-                                              "stderr": err}) + "\n")
+            request = {"target": target, "cwd": ROOT,
+                       "ranks": [{"env": env, "stdout": out, "stderr": err} for env, (out, err) in zip(ranks, files)]}
+            self.proc.stdin.write(json.dumps(request) + "\n")
             self.proc.stdin.flush()
-            pid = self._read(None)["pid"]
+            pids = self._read(None)["pids"]
             reply = self._read(time.monotonic() + timeout)
             if reply is None:
-                os.kill(pid, signal.SIGKILL)
+                for pid in pids:
+                    os.kill(pid, signal.SIGKILL)
                 self._read(None)
-            with open(out) as f_out, open(err) as f_err:
-                stdout, stderr = f_out.read(), f_err.read()
+            stdout = "".join(open(out).read() for out, _ in files)
+            stderr = "".join(open(err).read() for _, err in files)
         if reply is None:
             raise subprocess.TimeoutExpired(cmd, timeout, stdout, stderr)
         return subprocess.CompletedProcess(cmd, reply["returncode"], stdout, stderr)
@@ -117,7 +120,7 @@ atexit.register(_JOB_SERVER.close)
 
 def run_python(target: list[str], env: dict | None = None, timeout: int = 120) -> subprocess.CompletedProcess:
     """``python *target`` in ROOT (``env``: the session's environment plus ``JOB_ENV``), from the warm interpreter."""
-    return _JOB_SERVER.run(target, dict(os.environ, **JOB_ENV) if env is None else env, timeout)
+    return _JOB_SERVER.run(target, [dict(os.environ, **JOB_ENV) if env is None else env], timeout)
 
 
 def tiny_job(dump: str, *extra: str, config: str = TINY_LLAMA, precision: str | None = "float32") -> list[str]:

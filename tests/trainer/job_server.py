@@ -1,14 +1,16 @@
-"""A warm interpreter that starts one-rank jobs by forking (``python -m tests.trainer.job_server``).
+"""A warm interpreter that starts jobs by forking (``python -m tests.trainer.job_server``).
 
 Importing torch, torchtitan, FLA and transformers costs a new interpreter most of a tiny CPU job's
-time. This server imports them once; each job is a forked child that runs its module or script as
-``python -m``/``python script.py`` would (``runpy``, ``sys.argv``, its own environment, working
-directory, stdout and stderr files, normal interpreter exit with atexit handlers and thread joins),
-so every job still lives and dies in a process of its own.
+time. This server imports them once; each job's ranks are forked children that run its module or
+script as ``python -m``/``python script.py`` would (``runpy``, ``sys.argv``, its own environment,
+working directory, stdout and stderr files, normal interpreter exit with atexit handlers and thread
+joins), so every rank still lives and dies in a process of its own.
 
-Protocol, one JSON line each way on stdin/stdout: a request ``{"target": [...], "env": {...},
-"cwd": ..., "stdout": path, "stderr": path}`` is answered with ``{"pid": ...}`` once forked and
-``{"returncode": ...}`` when the child ends (negative: killed by that signal, as subprocess reports).
+Protocol, one JSON line each way on stdin/stdout: a request ``{"target": [...], "cwd": ...,
+"ranks": [{"env": {...}, "stdout": path, "stderr": path}, ...]}`` is answered with ``{"pids": [...]}``
+once forked and ``{"returncode": ...}`` when the ranks have ended: 0, or the first failure's code
+(negative: killed by that signal, as subprocess reports). As torchrun's agent does, a failed rank
+gets the others terminated, so that none waits in a collective for it.
 The caller starts the server with the environment its jobs share: anything read at import time is
 read once, so the caller sends here only jobs whose environment differs in per-job names alone
 (see ``tests.trainer.helpers``).
@@ -17,6 +19,7 @@ read once, so the caller sends here only jobs whose environment differs in per-j
 import json
 import os
 import runpy
+import signal
 import sys
 
 # what the jobs import anyway; the children find them in sys.modules
@@ -30,25 +33,41 @@ def _reply(message: dict) -> None:
     sys.stdout.flush()
 
 
+def _wait(pids: list[int]) -> int:
+    running, first_failure = set(pids), 0
+    while running:
+        pid, status = os.wait()
+        running.discard(pid)
+        code = os.waitstatus_to_exitcode(status)
+        if code and not first_failure:
+            first_failure = code
+            for other in running:
+                os.kill(other, signal.SIGTERM)
+            # a rank stuck in native code may ignore SIGTERM: the caller's timeout kills it then
+    return first_failure
+
+
 def serve():
-    """Fork a child per request; returns the request in the child, None when the caller hangs up."""
+    """Fork each request's ranks; returns (request, rank) in a child, None when the caller hangs up."""
     for line in sys.stdin:
         request = json.loads(line)
-        pid = os.fork()
-        if pid == 0:
-            return request
-        _reply({"pid": pid})
-        _, status = os.waitpid(pid, 0)
-        _reply({"returncode": os.waitstatus_to_exitcode(status)})
+        pids = []
+        for rank in request["ranks"]:
+            pid = os.fork()
+            if pid == 0:
+                return request, rank
+            pids.append(pid)
+        _reply({"pids": pids})
+        _reply({"returncode": _wait(pids)})
     return None
 
 
-def run_child(request: dict) -> None:
+def run_child(request: dict, rank: dict) -> None:
     os.chdir(request["cwd"])
     os.environ.clear()
-    os.environ.update(request["env"])
-    for fd, path, mode in ((0, os.devnull, os.O_RDONLY), (1, request["stdout"], os.O_WRONLY),
-                           (2, request["stderr"], os.O_WRONLY)):
+    os.environ.update(rank["env"])
+    for fd, path, mode in ((0, os.devnull, os.O_RDONLY), (1, rank["stdout"], os.O_WRONLY),
+                           (2, rank["stderr"], os.O_WRONLY)):
         target = os.open(path, mode)
         os.dup2(target, fd)
         os.close(target)
@@ -65,4 +84,4 @@ def run_child(request: dict) -> None:
 if __name__ == "__main__":
     job = serve()
     if job is not None:
-        run_child(job)  # the child ends here like `python -m ...`: SystemExit or a traceback and exit 1
+        run_child(*job)  # the child ends here like `python -m ...`: SystemExit or a traceback and exit 1
