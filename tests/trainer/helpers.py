@@ -1,4 +1,5 @@
-"""Run flame jobs and torchrun scripts as subprocesses, as a user would."""
+"""Run flame jobs and torchrun scripts in processes of their own, as a user would (their ranks forked
+from a warm interpreter: ``tests/trainer/job_server.py``)."""
 
 import atexit
 import json
@@ -97,14 +98,20 @@ class _JobServer:
                 open(path, "w").close()
             request = {"target": target, "cwd": ROOT,
                        "ranks": [{"env": env, "stdout": out, "stderr": err} for env, (out, err) in zip(ranks, files)]}
-            self.proc.stdin.write(json.dumps(request) + "\n")
-            self.proc.stdin.flush()
-            pids = self._read(None)["pids"]
-            reply = self._read(time.monotonic() + timeout)
-            if reply is None:
-                for pid in pids:
-                    os.kill(pid, signal.SIGKILL)
-                self._read(None)
+            try:
+                self.proc.stdin.write(json.dumps(request) + "\n")
+                self.proc.stdin.flush()
+                pids = self._read(None)["pids"]
+                reply = self._read(time.monotonic() + timeout)
+                if reply is None:
+                    for pid in pids:
+                        os.kill(pid, signal.SIGKILL)
+                    self._read(None)
+            except BaseException:  # interrupted mid-job: the next job gets a new server, not this one's reply
+                self.proc.kill()
+                self.proc.wait()
+                self.proc = None
+                raise
             stdout = "".join(open(out).read() for out, _ in files)
             stderr = "".join(open(err).read() for _, err in files)
         if reply is None:
