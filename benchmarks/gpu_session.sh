@@ -10,7 +10,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 if [ -n "$tests" ]; then
-  timeout 300 python3 -m pytest -q -x -p no:cacheprovider $tests 2>&1 | tail -40 | tee "$out/gpu_tests_$tag.txt"
+  # one process (the carried wheels have no pytest-xdist, and GPU tests should not share the card)
+  timeout 300 python3 -m pytest -q -x -p no:cacheprovider -o "addopts=-m 'not slow'" $tests 2>&1 | tail -40 | tee "$out/gpu_tests_$tag.txt"
 fi
 if [ -n "$accept" ]; then
   python3 benchmarks/acceptance.py "$out/acceptance_$tag.json" $accept 2>&1 | grep -v "^WARNING" | tail -60

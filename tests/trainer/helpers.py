@@ -1,10 +1,16 @@
-"""Run flame jobs and torchrun scripts as subprocesses, as a user would."""
+"""Run flame jobs and torchrun scripts in processes of their own, as a user would (their ranks forked
+from a warm interpreter: ``tests/trainer/job_server.py``)."""
 
+import atexit
 import json
 import os
+import select
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 
 import pytest
 import torch
@@ -25,21 +31,103 @@ def free_port() -> int:
 
 
 def torchrun(nproc: int, target: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
+    """``torchrun --nproc_per_node nproc *target``: each rank with the environment torchrun gives it,
+    forked from a warm interpreter (``_JobServer``) where the job's environment allows; the output
+    is the ranks' in rank order."""
     if torch.cuda.is_available() and torch.cuda.device_count() < nproc:
         # on a GPU machine each rank takes its own device (NCCL refuses two ranks on one GPU)
         pytest.skip(f"{nproc} ranks need {nproc} CUDA devices, this machine has {torch.cuda.device_count()}")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=PYTHONPATH)
-    if nproc == 1:
-        # one rank needs no launcher: the worker alone, with the environment torchrun would give it
-        # (saves the agent's interpreter and torch import, a few seconds per job on 2 cores); the
-        # multi-rank jobs keep going through torchrun
-        cmd = [sys.executable, *target]
-        env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", GROUP_RANK="0",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               "--master_port", str(free_port()), *target]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+    env = dict(os.environ, **JOB_ENV)
+    port = str(free_port())
+    ranks = [dict(env, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+                  GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=port) for r in range(nproc)]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", port]
+    return _JOB_SERVER.run(target, ranks, timeout, launcher=launcher)
+
+
+class _JobServer:
+    """One warm ``tests.trainer.job_server`` per test process (see its docstring), started on first use.
+
+    A job goes to it only when its environment is the one the test session started with (plus
+    ``JOB_ENV``) apart from the per-job names below: anything a test changed (``monkeypatch.setenv``)
+    may be read at import time, so such a job starts a fresh interpreter instead.
+    ``FLAME_TEST_FRESH_INTERPRETERS=1`` sends every job there."""
+
+    PER_JOB = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
+               "PYTEST_CURRENT_TEST"}
+
+    def __init__(self, env: dict):
+        self.proc = None
+        self.shared_env = self._shared(env)
+
+    def _shared(self, env: dict) -> dict:
+        return {k: v for k, v in env.items() if k not in self.PER_JOB}
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.stdin.close()
+            self.proc.wait()
+            self.proc = None
+
+    def _read(self, deadline: float | None) -> dict | None:
+        wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if not select.select([self.proc.stdout], [], [], wait)[0]:
+            return None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the job server exited ({self.proc.wait()})")
+        return json.loads(line)
+
+    def run(self, target: list[str], ranks: list[dict], timeout: float,
+            launcher: list[str] | None = None) -> subprocess.CompletedProcess:
+        """``python *target`` (a ``-m module`` or a script) in ROOT, one process per environment in
+        ``ranks``, as subprocess.run reports it. Where the server cannot take the job, one rank runs
+        as ``python *target`` and several under ``launcher`` (torchrun, which makes their environments)."""
+        cmd = [sys.executable, *target] if len(ranks) == 1 else [*launcher, *target]
+        if (os.environ.get("FLAME_TEST_FRESH_INTERPRETERS") == "1"
+                or any(self._shared(env) != self.shared_env for env in ranks)
+                or not (target[0] == "-m" or target[0].endswith(".py"))):
+            env = ranks[0] if len(ranks) == 1 else self._shared(ranks[0])
+            return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+        if self.proc is None or self.proc.poll() is not None:
+            self.proc = subprocess.Popen([sys.executable, "-m", "tests.trainer.job_server"], cwd=ROOT,
+                                         env=self.shared_env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        with tempfile.TemporaryDirectory(prefix="flame-job-") as tmp:
+            files = [(os.path.join(tmp, f"stdout{r}"), os.path.join(tmp, f"stderr{r}")) for r in range(len(ranks))]
+            for path in (p for pair in files for p in pair):
+                open(path, "w").close()
+            request = {"target": target, "cwd": ROOT,
+                       "ranks": [{"env": env, "stdout": out, "stderr": err} for env, (out, err) in zip(ranks, files)]}
+            try:
+                self.proc.stdin.write(json.dumps(request) + "\n")
+                self.proc.stdin.flush()
+                pids = self._read(None)["pids"]
+                reply = self._read(time.monotonic() + timeout)
+                if reply is None:
+                    for pid in pids:
+                        os.kill(pid, signal.SIGKILL)
+                    self._read(None)
+            except BaseException:  # interrupted mid-job: the next job gets a new server, not this one's reply
+                self.proc.kill()
+                self.proc.wait()
+                self.proc = None
+                raise
+            stdout = "".join(open(out).read() for out, _ in files)
+            stderr = "".join(open(err).read() for _, err in files)
+        if reply is None:
+            raise subprocess.TimeoutExpired(cmd, timeout, stdout, stderr)
+        return subprocess.CompletedProcess(cmd, reply["returncode"], stdout, stderr)
+
+
+# what every job gets on top of the session's environment
+JOB_ENV = {"OMP_NUM_THREADS": "1", "PYTHONPATH": PYTHONPATH}
+_JOB_SERVER = _JobServer(dict(os.environ, **JOB_ENV))
+atexit.register(_JOB_SERVER.close)
+
+
+def run_python(target: list[str], env: dict | None = None, timeout: int = 120) -> subprocess.CompletedProcess:
+    """``python *target`` in ROOT (``env``: the session's environment plus ``JOB_ENV``), from the warm interpreter."""
+    return _JOB_SERVER.run(target, [dict(os.environ, **JOB_ENV) if env is None else env], timeout)
 
 
 def tiny_job(dump: str, *extra: str, config: str = TINY_LLAMA, precision: str | None = "float32") -> list[str]:

@@ -2,12 +2,10 @@
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-from tests.trainer.helpers import CORPUS, PYTHONPATH, ROOT, losses, metrics, run_job, tiny_job, torchrun
+from tests.trainer.helpers import CORPUS, ROOT, losses, metrics, run_job, run_python, tiny_job, torchrun
 
 
 def test_single_process_trains_and_writes_outputs(tmp_path):
@@ -71,9 +69,8 @@ def test_skip_nan_inf_skips_and_counts(tmp_path):
     assert "untouched" in proc.stdout and "skipped_steps=1" in proc.stdout
 
 
-def _flame(*args, cwd=ROOT):
-    return subprocess.run([sys.executable, "-m", "flame.train", *args], capture_output=True, text=True, cwd=cwd,
-                          env=dict(os.environ, PYTHONPATH=PYTHONPATH), timeout=120)
+def _flame(*args):
+    return run_python(["-m", "flame.train", *args])
 
 
 @pytest.mark.parametrize(
