@@ -62,9 +62,12 @@ class GatedMLP(nn.Module):
             from fla.modules.activations import swiglu_linear as fla_swiglu_linear
 
             return fla_swiglu_linear(gate, up, self.down_proj.weight, self.down_proj.bias)
-        if type(self.down_proj) is nn.Linear and self.down_proj.bias is None:
-            return swiglu_linear(gate, up, self.down_proj.weight)
-        return self.down_proj(F.silu(gate) * up)  # a wrapped projection (LoRA, hooks) keeps its own call
+        down = self.down_proj
+        if type(down) is nn.Linear and down.bias is None and not (down._forward_pre_hooks or down._forward_hooks):
+            return swiglu_linear(gate, up, down.weight)
+        # a wrapped projection (LoRA) or one with hooks (tensor parallelism turns its input into a
+        # DTensor in a pre-hook) keeps its own call
+        return down(F.silu(gate) * up)
 
 
 class TransformerBlock(GradientCheckpointingLayer):
