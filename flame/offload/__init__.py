@@ -61,7 +61,9 @@ def build_plan(model, job_config, device, world: int = 1, threads_from_profile: 
         meta = model if hasattr(model, "get_output_embeddings") else build_meta_model(model.config)
         tp = int(_get(job_config, "parallelism.tensor_parallel_degree", 1) or 1) > 1
         chunk, _ = choose_loss_chunk_tokens(meta, local * seq, tp, int(off.gpu_memory_gib * 2**30) or None)
-    costs_of = model_costs(model.config, cdt, candidates, seq, loss_chunk_tokens=chunk)
+    lora = _get(job_config, "lora", None)
+    costs_of = model_costs(model.config, cdt, candidates, seq, loss_chunk_tokens=chunk,
+                           lora=lora if lora is not None and lora.rank > 0 else None)
     path = off.profile or os.path.join(_get(job_config, "job.dump_folder", "."), "offload_profile.json")
     if os.path.isfile(path):
         prof = load(path)
@@ -209,11 +211,6 @@ def _wants_offload(model: nn.Module, parallel_dims, job_config, device: torch.de
     says the plain plan does not fit the budgets (on CPU there is nothing to offload to)."""
     mode = job_config.offload.enable
     if mode == "off" or (mode == "auto" and device.type != "cuda"):
-        return False
-    lora = _get(job_config, "lora", None)
-    if lora is not None and lora.rank > 0:
-        # `on` with LoRA is refused with the config; the engine does not run adapters yet
-        logger.info("offload: LoRA runs the plain plan (the offload engine does not run adapters yet)")
         return False
     if mode == "auto":
         if _clearly_fits(model, parallel_dims, job_config, device):
