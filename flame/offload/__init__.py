@@ -38,6 +38,7 @@ def build_plan(model, job_config, device, world: int = 1, threads_from_profile: 
     use, and its measured CUDA context in the GPU budget."""
     from flame.offload.measure.hardware import measure
     from flame.offload.measure.tracing import model_costs
+    from flame.offload.planner.block_costs import adapters_with_outer
     from flame.offload.planner.budgets import host_budget_bytes
     from flame.offload.planner.cost_model import Dtypes
     from flame.offload.planner.hardware import load, save
@@ -64,6 +65,7 @@ def build_plan(model, job_config, device, world: int = 1, threads_from_profile: 
     lora = _get(job_config, "lora", None)
     costs_of = model_costs(model.config, cdt, candidates, seq, loss_chunk_tokens=chunk,
                            lora=lora if lora is not None and lora.rank > 0 else None)
+    costs_of = {mb: adapters_with_outer(c) for mb, c in costs_of.items()}
     path = off.profile or os.path.join(_get(job_config, "job.dump_folder", "."), "offload_profile.json")
     if os.path.isfile(path):
         prof = load(path)

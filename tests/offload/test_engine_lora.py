@@ -63,3 +63,25 @@ def test_lora_engine_matches_plain_lora_run(name, rounds):
     assert [u.name for u in eng.units if not u.frozen] == ["trainable"]
     assert all(not p.requires_grad for u in frozen for _, p in u.params)
     eng.close()
+
+
+@pytest.mark.parametrize("dtypes", [F32, {"compute": "bfloat16", "master": "float32", "grad": "float32", "moment": "float32"}])
+def test_lora_memory_report_is_what_the_planner_counts(dtypes):
+    """The engine's device memory with a frozen base, category by category, is the cost model's
+    for the costs the planner solves with (adapters counted with the outer unit)."""
+    from flame.offload.measure.tracing import measure_costs
+    from flame.offload.planner.block_costs import adapters_with_outer
+    from flame.offload.planner.cost_model import Dtypes, static_gpu_bytes
+
+    mod = lora_tiny()
+    costs = adapters_with_outer(measure_costs(copy.deepcopy(mod), 2, 16))
+    assert all(u.trainable_numel == 0 for u in costs.layers)
+    assert costs.outer.trainable_numel == sum(p.numel() for p in mod.parameters() if p.requires_grad)
+    p = plan(["gpu", "host_opt", "stream", "stream"], ["keep"] * 4, "gpu", depth=2, dtypes=dtypes)
+    _, eng = run_engine(mod, p, batches(1, 1), 1, max_norm=1.0)
+    rep = eng.memory_report()
+    want = static_gpu_bytes([costs.outer] + costs.layers, [p.outer_mode] + p.layer_modes, Dtypes(**dtypes),
+                            p.prefetch_depth, 1)
+    assert {k: rep[k] for k in want} == want
+    assert rep["grad_slots"] == 0  # frozen streamed blocks get no grad slots
+    eng.close()
