@@ -2,6 +2,7 @@
 copy only, the adapters train in one resident unit; the numbers are the plain LoRA run's."""
 
 import copy
+import os
 
 import pytest
 import torch
@@ -11,10 +12,10 @@ from flame.lora.layer import init_adapters
 from tests.offload.test_engine_cpu import F32, batches, loss_of, plan, run_engine, run_ref, tiny
 
 
-def lora_tiny(seed=0, tie=False):
-    """The tiny Llama with rank-4 adapters on every projection, B moved off zero (a zero B would
-    hide a wrong grad of A in the first step)."""
-    model = tiny(seed, tie)
+def lora_tiny(seed=0, tie=False, build=tiny):
+    """The tiny Llama (`build`) with rank-4 adapters on every projection, B moved off zero (a zero
+    B would hide a wrong grad of A in the first step)."""
+    model = build(seed, tie)
     apply_lora(model, Lora(rank=4, alpha=8.0))
     init_adapters(model, seed)
     gen = torch.Generator().manual_seed(seed + 7)
@@ -85,3 +86,39 @@ def test_lora_memory_report_is_what_the_planner_counts(dtypes):
     assert {k: rep[k] for k in want} == want
     assert rep["grad_slots"] == 0  # frozen streamed blocks get no grad slots
     eng.close()
+
+
+def _dp_worker(rank, init, out):
+    import torch.distributed as dist
+
+    from tests.offload.test_engine_dp import ACTS, MODES, WORLD, _engine, _train, tiny_odd
+
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=WORLD)
+    torch.set_num_threads(1)
+    model = lora_tiny(3, build=tiny_odd)
+    eng = _engine(model, plan(MODES, ACTS, "host_opt", 2, accs=(False, True, False, True)))
+    losses, norms = _train(model, eng, batches(3, 2, seed=4), 2, rank, WORLD)
+    sd = eng.state_dict()  # a collective: every rank
+    sharded = [u.weights.host.numel() == u.shard_numel < u.numel for u in eng.units if u.frozen and u.mode != "gpu"]
+    torch.save({"losses": losses, "norms": norms, "sd": sd, "sharded": sharded}, os.path.join(out, f"rank{rank}.pt"))
+    eng.close()
+    dist.destroy_process_group()
+
+
+def test_lora_on_two_ranks_matches_one_process_on_the_global_batch(tmp_path):
+    """The frozen base sharded over 2 data-parallel ranks (odd sizes: padded shards), the adapters
+    replicated: the plain LoRA run's losses, norms and weights on the global batch."""
+    from tests.offload.test_engine_dp import _ref, spawn_ranks, tiny_odd
+
+    ranks = spawn_ranks(_dp_worker, tmp_path)
+    ref = lora_tiny(3, build=tiny_odd)
+    want, want_norms, _, _ = _ref(ref, batches(3, 2, seed=4), 2)
+    for r in ranks:
+        assert r["sharded"] and all(r["sharded"])
+        assert r["losses"] == pytest.approx(want, rel=1e-5, abs=1e-6)
+        assert r["norms"] == pytest.approx(want_norms, rel=1e-5, abs=1e-6)
+        assert set(r["sd"]["model"]) == set(ref.state_dict())
+        for k, v in ref.state_dict().items():
+            torch.testing.assert_close(r["sd"]["model"][k], v, rtol=1e-4, atol=1e-5, msg=k)
+        assert {k.split(".", 1)[1].rsplit(".", 1)[0] for k in r["sd"]["optimizer"] if k.startswith("state.")} == \
+            {n for n, p in ref.named_parameters() if p.requires_grad}
