@@ -63,8 +63,8 @@ def build_plan(model, job_config, device, world: int = 1, threads_from_profile: 
         tp = int(_get(job_config, "parallelism.tensor_parallel_degree", 1) or 1) > 1
         chunk, _ = choose_loss_chunk_tokens(meta, local * seq, tp, int(off.gpu_memory_gib * 2**30) or None)
     lora = _get(job_config, "lora", None)
-    costs_of = model_costs(model.config, cdt, candidates, seq, loss_chunk_tokens=chunk,
-                           lora=lora if lora is not None and lora.rank > 0 else None)
+    lora = lora if lora is not None and lora.rank > 0 else None
+    costs_of = model_costs(model.config, cdt, candidates, seq, loss_chunk_tokens=chunk, lora=lora)
     costs_of = {mb: adapters_with_outer(c) for mb, c in costs_of.items()}
     path = off.profile or os.path.join(_get(job_config, "job.dump_folder", "."), "offload_profile.json")
     if os.path.isfile(path):
@@ -102,7 +102,8 @@ def build_plan(model, job_config, device, world: int = 1, threads_from_profile: 
 
         # one real block timed at the run's shapes, per candidate micro-batch, scales the
         # FLOP-based compute times; the outer (head and loss) is timed as it is
-        fudges = use_block_calibration(costs_of, measure_block_fudges(model.config, costs_of, prof, seq, cdt))
+        timed = measure_block_fudges(model.config, costs_of, prof, seq, cdt, lora=lora)
+        fudges = use_block_calibration(costs_of, timed)
     # the micro-batch: the fastest plan over the candidates (every one runs the step's tokens)
     plan, costs = solve_micro_batches(costs_of, accum * local, prof, dt, gpu, host, threads, fudges=fudges,
                                       depths=off.depths(), overrides=off.overrides,

@@ -122,3 +122,20 @@ def test_lora_on_two_ranks_matches_one_process_on_the_global_batch(tmp_path):
             torch.testing.assert_close(r["sd"]["model"][k], v, rtol=1e-4, atol=1e-5, msg=k)
         assert {k.split(".", 1)[1].rsplit(".", 1)[0] for k in r["sd"]["optimizer"] if k.startswith("state.")} == \
             {n for n, p in ref.named_parameters() if p.requires_grad}
+
+
+def test_block_calibration_times_the_block_with_its_adapters():
+    """The GPU block calibration builds its one block with the run's adapters (a frozen base: no
+    weight grads in the timed backward, as in the LoRA costs); a target it cannot place is the
+    apply_lora error, so the adapters are really put on."""
+    from flame.errors import ConfigError
+    from flame.offload.measure.calibration import measure_block_fudges
+    from flame.offload.measure.tracing import measure_costs
+    from tests.offload.test_planner import prof
+
+    m = lora_tiny()
+    costs = measure_costs(m, 2, 16)
+    cal = measure_block_fudges(m.config, {2: costs}, prof(), 16, torch.float32, "cpu", lora=Lora(rank=4))[2]
+    assert cal["fudge"] > 0 and cal["measured_fwd_bwd_s"] > 0
+    with pytest.raises(ConfigError, match="no_such_proj"):
+        measure_block_fudges(m.config, {2: costs}, prof(), 16, torch.float32, "cpu", lora=Lora(rank=4, targets=["no_such_proj"]))
