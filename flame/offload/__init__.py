@@ -201,11 +201,12 @@ def check_parallel_dims(parallel_dims) -> None:
 
 def _clearly_fits(model: nn.Module, parallel_dims, job_config, device: torch.device) -> bool:
     """First-order check that skips the planner for small models: fp32 master + grads + two
-    AdamW moments + a bf16 compute copy (18 bytes/param) per shard under half the budget."""
+    AdamW moments + a bf16 compute copy (18 bytes/param; a frozen one's fp32 value alone: 4) per
+    shard under half the budget."""
     budget = job_config.offload.gpu_memory_gib
     total = budget * 2**30 if budget else torch.cuda.get_device_properties(device).total_memory
     shards = parallel_dims.dp_shard * parallel_dims.tp
-    state = sum(p.numel() for p in model.parameters()) * 18 / max(shards, 1)
+    state = sum(p.numel() * (18 if p.requires_grad else 4) for p in model.parameters()) / max(shards, 1)
     return state < 0.5 * total
 
 
