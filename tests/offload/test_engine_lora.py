@@ -139,3 +139,34 @@ def test_block_calibration_times_the_block_with_its_adapters():
     assert cal["fudge"] > 0 and cal["measured_fwd_bwd_s"] > 0
     with pytest.raises(ConfigError, match="no_such_proj"):
         measure_block_fudges(m.config, {2: costs}, prof(), 16, torch.float32, "cpu", lora=Lora(rank=4, targets=["no_such_proj"]))
+
+
+def _engine(model, modes):
+    from flame.offload.runtime.engine import OffloadEngine
+
+    return OffloadEngine(model, plan(modes, ["keep", "recompute", "keep", "keep"], "host_opt"), torch.device("cpu"),
+                         lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+def test_lora_engine_checkpoint_resumes_exactly_in_another_plan():
+    """The engine's state dict after 2 steps (every key, adapter-only optimizer state) loaded into
+    another model (other init) under another plan continues as the uninterrupted run."""
+    from tests.offload.test_engine_cpu import run_engine_continue
+
+    b = batches(4, 1, seed=5)
+    first = ["stream", "host_opt", "stream", "gpu"]
+    model = lora_tiny()
+    whole, eng = run_engine_continue(_engine(model, first), model, b)
+    eng.close()
+    model = lora_tiny()
+    half, eng = run_engine_continue(_engine(model, first), model, b[:2])
+    sd = eng.state_dict()
+    eng.close()
+    assert not any(k.startswith("state.") and not k.split(".", 1)[1].rsplit(".", 1)[0].endswith(("lora_A", "lora_B"))
+                   for k in sd["optimizer"])
+    other = lora_tiny(seed=9)
+    eng = _engine(other, ["gpu", "stream", "host_opt", "stream"])
+    eng.load_state_dict(sd)
+    rest, _ = run_engine_continue(eng, other, b[2:])
+    eng.close()
+    assert half + rest == whole
