@@ -1,7 +1,8 @@
 """Checkpoint state of an OffloadEngine under the names of a non-offloaded run.
 
-A mixin of OffloadEngine: the model's master weights (a frozen unit's compute copy) under `model.state_dict()`'s names, the
-AdamW state flattened like torch.distributed.checkpoint's get_optimizer_state_dict. With data
+A mixin of OffloadEngine: the model's master weights (a frozen unit's compute copy) under
+`model.state_dict()`'s names, the AdamW state (none for frozen units) flattened like
+torch.distributed.checkpoint's get_optimizer_state_dict. With data
 parallelism every rank returns full tensors (all-gathered unit by unit) and loads only the
 slices it owns, so checkpoints move freely between offloaded, plain and 1-GPU runs.
 """
