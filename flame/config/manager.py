@@ -457,9 +457,6 @@ def validate_lora(cfg) -> None:
         raise ConfigError(f"lora.dropout {lora.dropout}: must be in [0, 1)")
     if not any(lora.targets):
         raise ConfigError("lora.targets is empty: name the linear layers that get adapters (e.g. q_proj,v_proj)")
-    if cfg.offload.enable == "on":
-        raise ConfigError(f"lora.rank {lora.rank} with offload.enable on: LoRA does not run on the offload engine "
-                          "yet; set offload.enable auto or off")
     if cfg.parallelism.tensor_parallel_degree > 1:
         raise ConfigError(f"lora.rank {lora.rank} with parallelism.tensor_parallel_degree "
                           f"{cfg.parallelism.tensor_parallel_degree}: LoRA does not support tensor parallelism; "

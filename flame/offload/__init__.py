@@ -38,6 +38,7 @@ def build_plan(model, job_config, device, world: int = 1, threads_from_profile: 
     use, and its measured CUDA context in the GPU budget."""
     from flame.offload.measure.hardware import measure
     from flame.offload.measure.tracing import model_costs
+    from flame.offload.planner.block_costs import adapters_with_outer
     from flame.offload.planner.budgets import host_budget_bytes
     from flame.offload.planner.cost_model import Dtypes
     from flame.offload.planner.hardware import load, save
@@ -61,7 +62,10 @@ def build_plan(model, job_config, device, world: int = 1, threads_from_profile: 
         meta = model if hasattr(model, "get_output_embeddings") else build_meta_model(model.config)
         tp = int(_get(job_config, "parallelism.tensor_parallel_degree", 1) or 1) > 1
         chunk, _ = choose_loss_chunk_tokens(meta, local * seq, tp, int(off.gpu_memory_gib * 2**30) or None)
-    costs_of = model_costs(model.config, cdt, candidates, seq, loss_chunk_tokens=chunk)
+    lora = _get(job_config, "lora", None)
+    lora = lora if lora is not None and lora.rank > 0 else None
+    costs_of = model_costs(model.config, cdt, candidates, seq, loss_chunk_tokens=chunk, lora=lora)
+    costs_of = {mb: adapters_with_outer(c) for mb, c in costs_of.items()}
     path = off.profile or os.path.join(_get(job_config, "job.dump_folder", "."), "offload_profile.json")
     if os.path.isfile(path):
         prof = load(path)
@@ -98,7 +102,8 @@ def build_plan(model, job_config, device, world: int = 1, threads_from_profile: 
 
         # one real block timed at the run's shapes, per candidate micro-batch, scales the
         # FLOP-based compute times; the outer (head and loss) is timed as it is
-        fudges = use_block_calibration(costs_of, measure_block_fudges(model.config, costs_of, prof, seq, cdt))
+        timed = measure_block_fudges(model.config, costs_of, prof, seq, cdt, lora=lora)
+        fudges = use_block_calibration(costs_of, timed)
     # the micro-batch: the fastest plan over the candidates (every one runs the step's tokens)
     plan, costs = solve_micro_batches(costs_of, accum * local, prof, dt, gpu, host, threads, fudges=fudges,
                                       depths=off.depths(), overrides=off.overrides,
@@ -196,11 +201,12 @@ def check_parallel_dims(parallel_dims) -> None:
 
 def _clearly_fits(model: nn.Module, parallel_dims, job_config, device: torch.device) -> bool:
     """First-order check that skips the planner for small models: fp32 master + grads + two
-    AdamW moments + a bf16 compute copy (18 bytes/param) per shard under half the budget."""
+    AdamW moments + a bf16 compute copy (18 bytes/param; a frozen one's fp32 value alone: 4) per
+    shard under half the budget."""
     budget = job_config.offload.gpu_memory_gib
     total = budget * 2**30 if budget else torch.cuda.get_device_properties(device).total_memory
     shards = parallel_dims.dp_shard * parallel_dims.tp
-    state = sum(p.numel() for p in model.parameters()) * 18 / max(shards, 1)
+    state = sum(p.numel() * (18 if p.requires_grad else 4) for p in model.parameters()) / max(shards, 1)
     return state < 0.5 * total
 
 
@@ -209,11 +215,6 @@ def _wants_offload(model: nn.Module, parallel_dims, job_config, device: torch.de
     says the plain plan does not fit the budgets (on CPU there is nothing to offload to)."""
     mode = job_config.offload.enable
     if mode == "off" or (mode == "auto" and device.type != "cuda"):
-        return False
-    lora = _get(job_config, "lora", None)
-    if lora is not None and lora.rank > 0:
-        # `on` with LoRA is refused with the config; the engine does not run adapters yet
-        logger.info("offload: LoRA runs the plain plan (the offload engine does not run adapters yet)")
         return False
     if mode == "auto":
         if _clearly_fits(model, parallel_dims, job_config, device):

@@ -50,3 +50,25 @@ def test_costs_of_a_lora_model_count_its_frozen_base():
     for u in costs.layers:
         assert 0 < u.trainable_numel < u.numel
         assert u.bwd_gemm_flops < 2 * u.fwd_gemm_flops
+
+
+def test_the_calculator_plans_lora_on_an_8b_base_at_16_gib(capsys):
+    """Llama-3-8B's shape with rank-16 adapters at offload.gpu_memory_gib 16 (the bundled H100
+    profile): a plan within the budget, every block a frozen base, the adapters with the outer unit."""
+    import os
+
+    from flame.config.manager import FlameConfigManager
+    from flame.offload.calculator import plan_for
+    from tests.trainer.helpers import ROOT
+
+    job = FlameConfigManager().parse_args([
+        "--job.config_file", os.path.join(ROOT, "flame/models/fla.toml"),
+        "--model.config", os.path.join(ROOT, "benchmarks/configs/llama3_8B.json"), "--training.batch_size", "1",
+        "--training.seq_len", "8192", "--lora.rank", "16", "--offload.gpu_memory_gib", "16",
+        "--offload.host_memory_gib", "64"])
+    plan, costs, _ = plan_for(job)
+    assert plan.predicted["peak_gpu_bytes"] <= plan.gpu_budget_bytes <= 16 * 2**30
+    assert plan.offloads and all(u.trainable_numel == 0 and u.numel > 200e6 for u in costs.layers)
+    # rank 16 on q, k, v, o, gate, up, down of 32 blocks: 16 x (in + out) each
+    per_block = 16 * (2 * (4096 + 4096) + 2 * (4096 + 1024) + 3 * (4096 + 14336))
+    assert costs.outer.trainable_numel == 32 * per_block

@@ -113,7 +113,8 @@ class StepCalibrator:
 WARM_S = 1.0
 
 
-def measure_block_fudges(config, costs_of: dict, prof, seq_len: int, dtype, device: str = "cuda") -> dict[int, dict]:
+def measure_block_fudges(config, costs_of: dict, prof, seq_len: int, dtype, device: str = "cuda",
+                         lora=None) -> dict[int, dict]:
     """Time one real block (fwd, fwd+bwd) at the run's shapes for every candidate micro-batch of
     `costs_of` (the block built once) and compare with the FLOP-based prediction: per micro-batch
     {"fudge": measured / predicted, ...} for `solve(fudge=...)`. GEMMs of 4k rows run well below
@@ -121,7 +122,8 @@ def measure_block_fudges(config, costs_of: dict, prof, seq_len: int, dtype, devi
     (embeddings, final norm, head and the loss as the costs were measured: chunked or not) without
     blocks: "outer_fwd_s", "outer_bwd_s" (`use_block_calibration` puts them into the costs). A
     micro-batch whose one block (fwd+bwd) or outer runs out of GPU memory fits no plan and is left
-    out of the result (so are the larger ones)."""
+    out of the result (so are the larger ones). `lora` (the ``[lora]`` section): the block timed
+    with its adapters and a frozen base, as the costs were measured."""
     import copy
 
     from transformers import AutoModelForCausalLM
@@ -134,6 +136,12 @@ def measure_block_fudges(config, costs_of: dict, prof, seq_len: int, dtype, devi
     c1.use_cache = False  # a KV cache would chain every timed call's graph to the previous one
     with torch.device(device):
         m = AutoModelForCausalLM.from_config(c1, dtype=dtype)
+    if lora is not None:
+        from flame.lora import apply_lora
+        from flame.lora.layer import init_adapters
+
+        apply_lora(m, lora)
+        init_adapters(m)
     blk = m.model.layers[0]
     out = {}
     warm = WARM_S if device == "cuda" else 0.0
@@ -178,9 +186,16 @@ def _time_outer(m, costs, micro_batch: int, seq_len: int, device: str) -> dict:
         loss().backward()
 
     setattr(owner, attr, nn.ModuleList())
+    hook = None
+    if not any(p.requires_grad for p in m.parameters()):
+        # a frozen outer (a LoRA base): its backward in training is the grad of the hidden states
+        # the blocks need (through the head and the final norm), so the embeddings' output takes one
+        hook = m.get_input_embeddings().register_forward_hook(lambda mod, a, out: out.detach().requires_grad_(True))
     try:
         tf, tfb = seconds_per_call(loss), seconds_per_call(fwd_bwd)
     finally:
+        if hook is not None:
+            hook.remove()
         setattr(owner, attr, blocks)
         for p in m.parameters():
             p.grad = None

@@ -221,13 +221,19 @@ def measure_costs(model: nn.Module, micro_batch: int, seq_len: int, loss: bool =
     return ModelCosts(micro_batch, seq_len, units, type(blocks[0]).__name__, extra)
 
 
-def model_costs(config, dtype, micro_batches, seq_len: int, loss_chunk_tokens: int = 0) -> dict[int, ModelCosts]:
-    """Costs of a model config at each micro-batch (sequences), measured on the meta device. FLA's
+def model_costs(config, dtype, micro_batches, seq_len: int, loss_chunk_tokens: int = 0,
+                lora=None) -> dict[int, ModelCosts]:
+    """Costs of a model config at each micro-batch (sequences), measured on the meta device, with
+    the adapters of `lora` (the ``[lora]`` section, rank > 0: a frozen base) when given. FLA's
     Triton ops cannot run on meta: flame's torch implementations stand in during the measurement
     (their saved tensors and FLOPs approximate the kernels'; the block calibration and the in-run
     calibration correct time, the logged peak shows the memory error)."""
     with cpu_fallbacks():
         meta = meta_model(config, dtype=dtype)
+        if lora is not None:
+            from flame.lora import apply_lora
+
+            apply_lora(meta, lora)
         try:
             return {mb: measure_costs(meta, mb, seq_len, loss_chunk_tokens=loss_chunk_tokens) for mb in micro_batches}
         except (RuntimeError, NotImplementedError, ValueError) as e:

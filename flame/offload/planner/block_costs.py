@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 
 @dataclass
@@ -94,3 +94,18 @@ class ModelCosts:
         d = dict(d)
         d["units"] = [UnitCosts(**u) for u in d["units"]]
         return ModelCosts(**d)
+
+
+def adapters_with_outer(costs: ModelCosts) -> ModelCosts:
+    """The costs as the engine runs a model with frozen blocks (a LoRA base): every block's
+    trainable parameters (its adapters) live in one resident unit on the GPU, not with their
+    block, so they are counted with the outer unit (exact when the outer unit is on the GPU) and
+    each block is its frozen base alone. The adapters' FLOPs stay with their blocks (their weight
+    grads, a fraction of a percent of the block's, are dropped with the block's trainable share).
+    Costs without frozen blocks are returned as they are."""
+    moved = sum(u.trainable_numel for u in costs.layers if u.frozen_numel)
+    if not moved:
+        return costs
+    units = [replace(u, numel=u.frozen_numel) if u.kind == "layer" and u.frozen_numel else u for u in costs.units]
+    units = [replace(u, numel=u.numel + moved) if u.kind == "outer" else u for u in units]
+    return replace(costs, units=units)

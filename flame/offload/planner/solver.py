@@ -288,7 +288,9 @@ def describe(plan: Plan, costs: ModelCosts) -> str:
              f"{plan.rounds} round(s)/step, prefetch depth {plan.prefetch_depth}, CPU threads {plan.cpu_threads}"
              + (f", host state sharded over {plan.world} ranks (bytes per rank)" if plan.world > 1 else ""),
              f"  dtypes: {plan.dtypes}",
-             f"  outer (embeddings/norm/head, {costs.outer.numel / 1e6:.0f}M params): {plan.outer_mode}"
+             f"  outer (embeddings/norm/head, {costs.outer.numel / 1e6:.0f}M params"
+             + (f" with the adapters, {costs.outer.trainable_numel / 1e6:.0f}M trainable" if costs.outer.frozen_numel else "")
+             + f"): {plan.outer_mode}"
              + ("; grads accumulated on GPU" if accs[0] else "")]
     names = {"gpu": "weights+grads+AdamW on GPU", "host_opt": "weights on GPU, grads->host, CPU AdamW",
              "stream": "weights streamed from pinned host, grads->host, CPU AdamW"}
@@ -299,7 +301,10 @@ def describe(plan: Plan, costs: ModelCosts) -> str:
         while j + 1 < n and key[j + 1] == key[i]:
             j += 1
         acc = "; grads accumulated on GPU (->host once a step)" if accs[i + 1] else ""
-        lines.append(f"  blocks {i}-{j}: {names[plan.layer_modes[i]]}; activations {plan.layer_acts[i]}{acc}")
+        mode = plan.layer_modes[i]
+        what = (("weights on GPU" if mode != "stream" else "weights streamed from pinned host") + ", frozen"
+                if all(u.trainable_numel == 0 for u in costs.layers[i:j + 1]) else names[mode])
+        lines.append(f"  blocks {i}-{j}: {what}; activations {plan.layer_acts[i]}{acc}")
         i = j + 1
     c = {m: plan.layer_modes.count(m) for m in ("gpu", "host_opt", "stream")}
     lines.append(f"  counts: {c}, recomputed {plan.layer_acts.count('recompute')}, selectively recomputed "

@@ -126,9 +126,22 @@ class OffloadEngine(EngineStateDict):
             layer_params.append(ps)
         outer = [(self.fqns[id(p)][0], p) for p in model.parameters() if id(p) not in block_ids]
         accs = plan.unit_accs()
-        self.units = [Unit(0, "outer", outer, plan.outer_mode, "keep", accs[0], self.world, self.rank)] + [
-            Unit(i + 1, f"{blocks_name}.{i}", ps, plan.layer_modes[i], plan.layer_acts[i], accs[i + 1], self.world,
-                 self.rank) for i, ps in enumerate(layer_params)]
+        # a unit with frozen parameters (a LoRA base) keeps only those, as a frozen unit placed as
+        # the plan says; its trainable ones (the adapters) join one resident "trainable" unit
+        trainable = [(n, p) for ps in [outer] + layer_params for n, p in ps
+                     if p.requires_grad and any(not q.requires_grad for _, q in ps)]
+        moved = {id(p) for _, p in trainable}
+
+        def unit(index, name, ps, mode, act, acc):
+            frozen = any(not p.requires_grad for _, p in ps)
+            return Unit(index, name, [(n, p) for n, p in ps if id(p) not in moved], mode, act, acc and not frozen,
+                        self.world, self.rank, frozen=frozen)
+
+        self.units = [unit(0, "outer", outer, plan.outer_mode, "keep", accs[0])] + [
+            unit(i + 1, f"{blocks_name}.{i}", ps, plan.layer_modes[i], plan.layer_acts[i], accs[i + 1])
+            for i, ps in enumerate(layer_params)]
+        if trainable:
+            self.units.append(Unit(len(self.units), "trainable", trainable, "gpu", "keep", False, self.world, self.rank))
         self.optimizer = HostOptimizer(self.units, self.worker, lr, betas, eps, weight_decay, set(no_decay or ()),
                                        plan.cpu_threads)
         self.schedule = WeightSchedule(self.units, self.streams, self.device, compute, plan.prefetch_depth, group,
@@ -161,8 +174,10 @@ class OffloadEngine(EngineStateDict):
         self.gradients.build_slots()
         for u in self.units:
             # one unit at a time, its parameters rebound before the next: the model's original
-            # storage (fp32 on the GPU when built there) is freed unit by unit, never all kept
-            master = u.flat_values(self.master_dtype, self.device if u.mode == "gpu" else torch.device("cpu"))
+            # storage (fp32 on the GPU when built there) is freed unit by unit, never all kept.
+            # A frozen unit has no master: its values go straight into the compute dtype.
+            dtype = self.schedule.dtype if u.frozen else self.master_dtype
+            master = u.flat_values(dtype, self.device if u.mode == "gpu" else torch.device("cpu"))
             self.schedule.build_unit(u, master)
             self.gradients.build_host(u)
             self.schedule.build_resident(u)
@@ -174,7 +189,7 @@ class OffloadEngine(EngineStateDict):
         if self.cuda:
             # page-lock in the background while the GPU side is set up; joined before the first forward
             self.pinned.register_in_background([t for u in self.units if u.mode != "gpu"
-                                                for t in (u.weights.host, u.grads.staging)])
+                                                for t in (u.weights.host, u.grads.staging) if t is not None])
 
     # ------------------------------------------------------------------ hooks
     def _install_hooks(self) -> None:
@@ -191,7 +206,7 @@ class OffloadEngine(EngineStateDict):
                 b.forward = lambda *a, _f=b.forward, _c=ckpt, **k: _c(_f, *a, **_no_cache(k))
                 self._wrapped.append(b)
         for u in self.units:
-            for _, p in u.params:
+            for _, p in ([] if u.frozen else u.params):
                 h.append(p.register_post_accumulate_grad_hook(self._weak_unit_call(OffloadEngine._grad_arrived, u)))
         self._handles = h
 
@@ -246,8 +261,12 @@ class OffloadEngine(EngineStateDict):
         for v in self.units[u.index + 1:]:  # their backward is done
             if v.activations is not None:
                 v.activations.release_backward()
+        if u.index < len(self.blocks) and self.units[u.index + 1].frozen:
+            # the block above has no grads to wait for: its backward (the last read of its
+            # weights) ended with this block's output grad
+            self._grads_ready(self.units[u.index + 1])
         self.schedule.block_backward(u)
-        if u.mode == "stream":
+        if u.mode == "stream" and not u.frozen:
             self.gradients.lend_slot(u)
 
     def _weak_unit_call(self, fn, u: Unit):
@@ -285,6 +304,9 @@ class OffloadEngine(EngineStateDict):
             return
         if u.mode == "stream":
             self.schedule.release(u)
+        if u.frozen:
+            u.grads.flushed = True
+            return
         self.gradients.hand_on(u)
 
     # ------------------------------------------------------------------ saved tensors
@@ -348,12 +370,12 @@ class OffloadEngine(EngineStateDict):
             self._grad_norm(0.0)
         coef, self._clip_coefficient = self._clip_coefficient, None
         for u in self.units:
-            if u.mode == "gpu":
+            if u.mode == "gpu" and not u.frozen:
                 self.optimizer.step_on_gpu(u, coef)
                 self.schedule.refresh_from_master(u, u.optimizer.master.data)
                 self.gradients.zero_unit(u)
         for u in self.units:
-            if u.mode != "gpu":
+            if u.mode != "gpu" and not u.frozen:
                 u.grads.sent = False
                 self.schedule.stale(u)
                 self.optimizer.start_on_cpu(u, coef)
@@ -401,7 +423,7 @@ class OffloadEngine(EngineStateDict):
                 add("grads", u.grads.buffer)
             add("grad_acc", u.grads.device_accumulator)  # host units accumulating on the GPU
             add("shards", u.grads.shard)  # data parallelism: the reduce-scattered grad shard
-            if u.mode == "gpu":  # host units keep these on the host
+            if u.mode == "gpu" and not u.frozen:  # host units keep these on the host
                 o = u.optimizer
                 add("grad_acc", u.grads.accumulator)
                 add("master", o.master.data)

@@ -72,21 +72,21 @@ class Gradients:
 
     # ------------------------------------------------------------------ buffers
     def build_conversion(self) -> None:
-        host_units = [u for u in self.units if u.mode != "gpu"]
+        host_units = [u for u in self.units if u.mode != "gpu" and not u.frozen]
         if self.direct and host_units and self.grad_dtype != self.compute_dtype:
             # two rotating chunk buffers for the GPU-side grad conversion before D2H
             n = min(CONV_CHUNK, max(u.shard_numel for u in host_units))
             self.conversion = [torch.empty(n, dtype=self.grad_dtype, device=self.device) for _ in range(2)]
 
     def build_slots(self) -> None:
-        stream_units = [u for u in self.units if u.mode == "stream"]
+        stream_units = [u for u in self.units if u.mode == "stream" and not u.frozen]
         if stream_units:
             big = max(u.padded_numel for u in stream_units)
             self.slots = [Slot(torch.empty(big, dtype=self.compute_dtype, device=self.device)) for _ in range(2)]
 
     def build_host(self, u: Unit) -> None:
         g = u.grads = UnitGrads()
-        if u.mode == "gpu":
+        if u.mode == "gpu" or u.frozen:  # a frozen unit: no grads at all
             return
         if self.direct or u.accumulate_on_gpu:
             # grads arrive on the host once a step already in grad dtype (converted or
@@ -99,6 +99,8 @@ class Gradients:
 
     def build_device(self, u: Unit) -> None:
         g, dev = u.grads, self.device
+        if u.frozen:
+            return
         # full grad buffer (padded: the reduce-scatter's input; autograd never writes the padding)
         g.buffer = torch.zeros(u.padded_numel, dtype=self.compute_dtype, device=dev) if u.mode != "stream" else None
         if u.sharded:
@@ -269,13 +271,13 @@ class Gradients:
         self.worker.wait()  # all accumulations queued by the backward are done (they wait on D2H events)
         self.worker.seconds["step_waits_for_accumulation"] += time.perf_counter() - t
         sq = self.gpu_sq.clone()  # the norms taken on the GPU as grads left for the host
-        gpu_units = [u for u in self.units if u.mode == "gpu"]
+        gpu_units = [u for u in self.units if u.mode == "gpu" and not u.frozen]
         # units accumulated on the host: the norm of the sum, taken by the last accumulation (or
         # here when the step ran fewer micro-batches than planned)
         t = time.perf_counter()
         cpu_sq = 0.0
         for u in self.units:
-            if u.mode == "gpu":
+            if u.mode == "gpu" or u.frozen:
                 continue
             g = u.grads
             if not (self.direct or u.accumulate_on_gpu):

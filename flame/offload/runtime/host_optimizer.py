@@ -52,6 +52,8 @@ class HostOptimizer:
         self.grad_scratch: torch.Tensor | None = None  # master-dtype grads of the unit the CPU AdamW steps
 
     def build_unit(self, u: Unit, master: torch.Tensor) -> None:
+        if u.frozen:  # no master, moments or step: u.optimizer stays None
+            return
         # ranges NOT decayed (no_decay parameters; the shard's padding is harmless either way) in
         # the coordinates of the unit's (shard of the) master
         u.no_decay_ranges = [(a - u.shard_start, b - a) for (fqn, p), o in zip(u.params, u.offsets)
@@ -62,14 +64,15 @@ class HostOptimizer:
 
     def wait_for(self, u: Unit) -> None:
         """The forward needs `u`'s new weights: wait for its CPU AdamW (timed: an exposed optimizer)."""
-        if not u.optimizer.step_done.is_set():
+        if u.optimizer is not None and not u.optimizer.step_done.is_set():
             t = time.perf_counter()
             u.optimizer.step_done.wait()
             self.worker.account("forward_waits_for_cpu_adam", u.index, t)
 
     def wait_all(self) -> None:
         for u in self.units:
-            u.optimizer.step_done.wait()
+            if u.optimizer is not None:
+                u.optimizer.step_done.wait()
 
     def _decay(self, u: Unit, lr: float) -> None:
         """The fused AdamW decays the whole flat master (p *= 1 - lr * wd inside its one pass); the
@@ -132,7 +135,7 @@ class HostOptimizer:
             return acc
         n = acc.numel()
         if self.grad_scratch is None or self.grad_scratch.dtype != dtype or self.grad_scratch.numel() < n:
-            largest = max(x.grads.accumulator.numel() for x in self.units if x.mode != "gpu")
+            largest = max(x.grads.accumulator.numel() for x in self.units if x.mode != "gpu" and not x.frozen)
             self.grad_scratch = torch.empty(largest, dtype=dtype)
         out = self.grad_scratch[:n].view(acc.shape)
         out.copy_(acc)

@@ -1,7 +1,8 @@
 """Checkpoint state of an OffloadEngine under the names of a non-offloaded run.
 
-A mixin of OffloadEngine: the model's master weights under `model.state_dict()`'s names, the
-AdamW state flattened like torch.distributed.checkpoint's get_optimizer_state_dict. With data
+A mixin of OffloadEngine: the model's master weights (a frozen unit's compute copy) under
+`model.state_dict()`'s names, the AdamW state (none for frozen units) flattened like
+torch.distributed.checkpoint's get_optimizer_state_dict. With data
 parallelism every rank returns full tensors (all-gathered unit by unit) and loads only the
 slices it owns, so checkpoints move freely between offloaded, plain and 1-GPU runs.
 """
@@ -51,7 +52,7 @@ class EngineStateDict:
         self.synchronize()
         out = {}
         for u in self.units:
-            for fqn, p, v in u.views(self._full(u, u.optimizer.master.data)):
+            for fqn, p, v in u.views(self._full(u, u.values())):
                 for name in self.fqns[id(p)]:
                     out[name] = v
         persistent = self.model.state_dict().keys()
@@ -67,8 +68,8 @@ class EngineStateDict:
             for fqn, _ in u.params:
                 if fqn not in sd:
                     raise ConfigError(f"checkpoint: missing key {fqn!r}")
-            self._load_shard(u, u.optimizer.master.data, sd, lambda fqn: fqn)
-            self.schedule.refresh_from_master(u, u.optimizer.master.data)
+            self._load_shard(u, u.values(), sd, lambda fqn: fqn)
+            self.schedule.refresh_from_master(u, u.values())
 
     def optimizer_state_dict(self) -> dict:
         """Flattened like torch.distributed.checkpoint's get_optimizer_state_dict:
@@ -77,6 +78,8 @@ class EngineStateDict:
         self.synchronize()
         out = {}
         for u in self.units:
+            if u.frozen:  # frozen parameters have no optimizer state (as in a plain run)
+                continue
             master, adamw = u.optimizer.master, u.optimizer.adamw
             if not adamw.state.get(master):
                 # DCP loads into the tensors this returns: before the first step they must exist.
@@ -103,6 +106,8 @@ class EngineStateDict:
     def load_optimizer_state_dict(self, sd: dict) -> None:
         self.synchronize()
         for u in self.units:
+            if u.frozen:
+                continue
             master, adamw = u.optimizer.master, u.optimizer.adamw
             fqn0 = u.params[0][0]
             if f"state.{fqn0}.exp_avg" not in sd:

@@ -5,6 +5,8 @@ flat range is padded to a multiple of the world size and each rank owns one shar
 units stay whole on every rank. Each part of the engine keeps its own state of a unit in its own
 record: `weights` (schedule.UnitWeights), `grads` (gradients.UnitGrads), `optimizer`
 (host_optimizer.UnitOptimizer); each is set once by that part when the engine builds the unit.
+A frozen unit (all its parameters frozen: a LoRA base) has weights only: its `optimizer` is None
+and its `grads` record stays empty.
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ class Unit:
     accumulate_on_gpu: bool  # host unit, several micro-batches: grads summed on the GPU, sent once a step
     world: InitVar[int] = 1
     rank: InitVar[int] = 0
+    # every parameter frozen (a LoRA base): compute copy only, no grads, master, moments or optimizer step
+    frozen: bool = False
     offsets: list[int] = field(init=False)  # of every parameter in the flat buffers
     numel: int = field(init=False)
     sharded: bool = field(init=False)  # host unit with several data-parallel ranks
@@ -87,6 +91,13 @@ class Unit:
     def owned_slice(self, buf: torch.Tensor) -> torch.Tensor:
         """This rank's shard of a full (padded) flat buffer of the unit."""
         return buf[self.shard_start:self.shard_start + self.shard_numel]
+
+    def values(self) -> torch.Tensor:
+        """This rank's (shard of the) flat values the checkpoint holds: the master, or a frozen
+        unit's compute copy (on the host, or resident for a gpu unit)."""
+        if self.optimizer is not None:
+            return self.optimizer.master.data
+        return self.weights.host if self.weights.host is not None else self.weights.resident
 
     def flat_values(self, dtype: torch.dtype, device) -> torch.Tensor:
         """The parameters' current values on this rank as one flat tensor: its shard, zero padding
