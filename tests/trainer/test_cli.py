@@ -107,7 +107,7 @@ def test_help_lists_flame_options_once_with_descriptions(capsys):
     text = capsys.readouterr().out
     options = _options_of(text)
     assert len(options) == len(set(options)), "an option listed twice"
-    assert len(text.splitlines()) < 400 and "DEPRECATED" not in text
+    assert len(text.splitlines()) < 500 and "DEPRECATED" not in text
     # one name per setting; options flame never reads are hidden
     for gone in ("--training.local_batch_size", "--validation.freq", "--debug.seed", "--compile.enable",
                  "--model.flavor", "--model.hf_assets_path", "--parallelism.pipeline_parallel_degree",
