@@ -217,7 +217,8 @@ def main(argv: list[str]) -> int:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
     if any(a in ("-h", "--help") for a in argv):
-        os.execvpe(python, [python, "-m", "flame.train", "--help"], env)
+        # the user's options go along: --help shows the values of the job file they name
+        os.execvpe(python, [python, "-m", "flame.train", *argv], env)
     args = job_args(argv)
     job = Job(args, python, env)
     for s in (signal.SIGTERM, signal.SIGINT):

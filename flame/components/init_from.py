@@ -41,7 +41,8 @@ _WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.")
 def resolve_folder(value: str) -> str:
     """A local folder, or the snapshot folder of a hub id in the local Hugging Face cache."""
     if os.path.isdir(value):
-        return value
+        # absolute: the PEFT export records it as base_model_name_or_path, read from other directories
+        return os.path.abspath(value)
     if os.path.exists(value):
         raise ConfigError(f"{OPTION} {value!r}: not a folder (give the model's folder or a hub id)")
     from huggingface_hub import snapshot_download

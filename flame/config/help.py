@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import ast
 import inspect
+import os
 import re
+import sys
 import textwrap
 import typing
 from dataclasses import fields, is_dataclass
@@ -181,3 +183,15 @@ Flags: --section.flag turns one on, --section.no-flag off. Dashes and underscore
 interchangeable. Input paths in a job file are relative to its folder; bundled ones
 (flame/assets/..., configs/...) work from any directory."""
     return intro + "\n" + format_entries(help_entries(config))
+
+
+def print_help(text: str) -> None:
+    """Write ``--help`` output to stdout. A reader that closes the pipe early (``| head``) is
+    not an error: the rest is discarded, and stdout is pointed at /dev/null so that the flush
+    at interpreter exit does not raise BrokenPipeError again."""
+    try:
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())

@@ -313,7 +313,9 @@ class FlameConfigManager(ConfigManager):
     def parse_args(self, args: list[str] | None = None):
         args = list(sys.argv[1:] if args is None else args)
         if "-h" in args or "--help" in args:
-            print(self.help_text(args))
+            from flame.config.help import print_help
+
+            print_help(self.help_text(args))
             raise SystemExit(0)
         given = self._check_cli(args)
         # tyro reports what flame's checks let through as a multi-line box: one line instead

@@ -46,8 +46,16 @@ def _expand(pattern: str, what: str) -> list[str]:
     return files
 
 
+def _first_line(e: BaseException) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
 def _load_error(spec: SourceSpec, e: Exception) -> ConfigError:
-    msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    msg = _first_line(e)
+    if e.__cause__ is not None:
+        # datasets' DatasetGenerationError says only "An error occurred while generating the
+        # dataset"; its cause says what (a JSONL line that is not JSON: "JSON parse error ... in row 1")
+        msg = f"{msg}: {_first_line(e.__cause__)}"
     if not os.path.exists(spec.path) and spec.path not in _BUILDER_NAMES:
         return ConfigError(
             f"training.dataset: {spec.path!r} is not a local path and could not be read from the local "

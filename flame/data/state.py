@@ -14,6 +14,7 @@ import copy
 from typing import Any, Sequence
 
 from flame.data.layout import Layout
+from flame.errors import ConfigError
 
 VERSION = 1
 
@@ -117,12 +118,15 @@ def reshard(state: dict, dp_world_size: int, num_workers: int) -> tuple[dict, bo
 
 
 def check_compatible(state: dict, source_names: Sequence[str]) -> None:
+    """A ConfigError (one line, exit 2) when a resumed checkpoint's data position cannot serve this
+    run's sources: typically another job launched into an existing dump folder."""
     if int(state.get("version", -1)) != VERSION:
-        raise ValueError(f"dataloader state version {state.get('version')!r} is not {VERSION}")
+        raise ConfigError(f"dataloader state version {state.get('version')!r} in the checkpoint is not {VERSION}")
     if len(state["sources"]) != len(source_names):
-        raise ValueError(
-            f"dataloader state was saved with {len(state['sources'])} sources {state['sources']}, "
-            f"this run has {len(source_names)} {list(source_names)}; the data position cannot be carried over"
+        raise ConfigError(
+            f"the checkpoint's data position was saved with {len(state['sources'])} sources {state['sources']}, "
+            f"this run has {len(source_names)} {list(source_names)}; the data position cannot be carried over "
+            "(another job in this dump folder? give this one its own --job.dump_folder)"
         )
 
 

@@ -98,7 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         if "-h" in argv or "--help" in argv:
-            print(help_text(argv))
+            from flame.config.help import print_help
+
+            print_help(help_text(argv))
             return 0
         plan, costs, off = plan_for(FlameConfigManager().parse_args(argv))
     except ConfigError as e:

@@ -139,12 +139,15 @@ def test_bad_sources_name_the_value(tmp_path, tok):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     nocol = write_jsonl(tmp_path / "n.jsonl", ["x"], column="body")
+    not_json = tmp_path / "not_json.jsonl"
+    not_json.write_text('{"text": "a document"}\nthis line is not JSON\n')
     cases = [
         (dict(dataset="./does/not/exist"), "does/not/exist"),
         (dict(dataset=str(tmp_path / "*.parquet")), "matches no file"),
         (dict(dataset=nocol), "text_column"),
         (dict(dataset=nocol, text_column="nope"), "'nope'"),
         (dict(dataset="flame-nonexistent-org/nonexistent-dataset"), "nonexistent-dataset"),
+        (dict(dataset=str(not_json)), "not_json.jsonl' could not be loaded: .*JSON parse error"),
     ]
     for kw, needle in cases:
         with pytest.raises(ConfigError, match=needle):

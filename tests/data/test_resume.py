@@ -21,6 +21,7 @@ from flame_data_testlib import (
 
 from flame.data import state as gstate
 from flame.data.loader import STATE_KEY
+from flame.errors import ConfigError
 
 
 def global_state(loaders):
@@ -81,6 +82,18 @@ def _elastic(tok, kw, before, after, n_before, n_after, docs, bos, eos):
     lengths = {(0, d): len(r) + (bos is not None) + (eos is not None) for d, r in enumerate(docs)}
     assert complete_docs(cov, lengths) >= epoch0  # nothing skipped
     return batches
+
+
+def test_another_jobs_data_position_is_a_one_line_error(tmp_path, tok):
+    """A checkpoint saved with other sources (another job's dump folder) is bad input, not a crash."""
+    a = write_jsonl(tmp_path / "a.jsonl", text_docs(20, seed=1, prefix="a"))
+    b = write_jsonl(tmp_path / "b.jsonl", text_docs(20, seed=2, prefix="b"))
+    saved = build(tok, dataset=a, batch_size=2, seq_len=16)
+    next(iter(saved))
+    dcp.save({"dataloader": saved}, checkpoint_id=str(tmp_path / "ckpt"))
+    other = build(tok, dataset=f"{a},{b}", batch_size=2, seq_len=16)
+    with pytest.raises(ConfigError, match=r"saved with 1 sources .*this run has 2 .*own --job.dump_folder"):
+        dcp.load({"dataloader": other}, checkpoint_id=str(tmp_path / "ckpt"))
 
 
 @pytest.mark.parametrize("kind", ["text", "tokens"])

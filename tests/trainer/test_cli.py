@@ -134,6 +134,20 @@ def test_help_shows_the_named_job_file_values(tmp_path):
     assert "--training.steps INT  [77]" in text and str(path) in text
 
 
+def test_help_into_a_closed_pipe_exits_0(monkeypatch):
+    """`python -m flame.train --help | head`: the reader closing the pipe is no traceback."""
+    from flame.offload import calculator as plan
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # every write now fails with EPIPE, as after `head` has read its lines
+    with os.fdopen(write_end, "w") as closed_pipe:
+        monkeypatch.setattr("sys.stdout", closed_pipe)
+        with pytest.raises(SystemExit) as e:
+            parse("--help")
+        assert e.value.code == 0
+        assert plan.main(["--help"]) == 0
+
+
 def test_plan_help_describes_the_calculator(capsys):
     from flame.offload import calculator as plan
 

@@ -164,6 +164,16 @@ def test_missing_unexpected_and_pickle_only_are_named(hf_dir, tmp_path):
     assert weight_files(str(sharded)) == [str(sharded / "model-00001-of-00001.safetensors")]
 
 
+def test_relative_init_from_is_recorded_absolute(hf_dir, monkeypatch):
+    """The run's config (and so the PEFT adapters' base_model_name_or_path) names the folder
+    from any working directory."""
+    from flame.config.manager import FlameConfigManager
+
+    monkeypatch.chdir(os.path.dirname(hf_dir))
+    cfg = FlameConfigManager().parse_args(["--model.init_from", os.path.basename(hf_dir)])
+    assert (cfg.model.init_from, cfg.model.config, cfg.model.tokenizer_path) == (hf_dir, hf_dir, hf_dir)
+
+
 def test_config_and_tokenizer_follow_init_from(hf_dir):
     from flame.config.manager import FlameConfigManager
     from flame.errors import ConfigError

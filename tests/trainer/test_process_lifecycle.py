@@ -173,6 +173,23 @@ def test_overrides_apply_on_top_of_the_default_job():
     assert job_args(own) == own  # a user TOML replaces the default job
 
 
+def test_launcher_help_keeps_the_named_job_file(monkeypatch, tmp_path):
+    """`bash train.sh --job.config_file X --help` lists X's values, as `python -m flame.train` does."""
+    from flame import launch
+
+    execs = []
+
+    def fake_exec(file, args, env):
+        execs.append(args)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(launch.os, "execvpe", fake_exec)
+    argv = ["--job.config_file", str(tmp_path / "job.toml"), "--help"]
+    with pytest.raises(SystemExit):
+        launch.main(argv)
+    assert execs and execs[0][1:3] == ["-m", "flame.train"] and execs[0][3:] == argv
+
+
 def test_launcher_picks_the_line_that_explains_the_run():
     from flame.launch import Job, explain
 
