@@ -401,11 +401,14 @@ def markdown(doc: dict) -> str:
     if doc.get("ratios"):
         lines.append("")
     for q in doc.get("ratios", []):
-        line = f"- {q['row']}: {q['ratio']:.2f}x the tokens/s of {q['reference']}"
+        line = f"- {q['row']}: {q['ratio']:.2f}x the tokens/s of {q['reference']} ({(q['ratio'] - 1) * 100:+.0f}%"
         if q["target_ratio"] is not None:
-            line += (f" ({(1 - q['ratio']) * 100:+.0f}% fewer tokens/s; target >= {q['target_ratio']}x, "
-                     f"{'met' if q['met'] else 'NOT met'})")
-        lines.append(line)
+            line += f"; target >= {q['target_ratio']}x, {'met' if q['met'] else 'NOT met'}"
+        lines.append(line + ")")
+    for r in doc["results"]:
+        if r.get("trained_tokens_per_second"):
+            lines.append(f"- {r['row']}: {r['trained_tokens_per_second']:,} trained (loss) tokens/s of "
+                         f"{r['tokens_per_second']:,} tokens/s")
     for path in doc.get("plots", []):
         lines.append(f"- plot: {os.path.basename(path)}")
     return "\n".join(lines)

@@ -75,7 +75,7 @@ def test_the_table_prints_each_ratio_against_its_reference():
     doc = {"device": {"name": "cpu", "count": 0}, "versions": {}, "commit": "x" * 10, "date": "2026-11-26",
            "steps": 20, "results": [], "ratios": got, "plots": ["/out/acceptance_t_muon_340M.png"]}
     md = acceptance.markdown(doc)
-    assert "- muon_340M: 0.85x the tokens/s of muon_adamw_340M (+15% fewer tokens/s; target >= 0.9x, NOT met)" in md
+    assert "- muon_340M: 0.85x the tokens/s of muon_adamw_340M (-15%; target >= 0.9x, NOT met)" in md
     assert "- plot: acceptance_t_muon_340M.png" in md
 
 
