@@ -49,6 +49,11 @@ class Row:
     cap_s: int
     env: dict = field(default_factory=dict)
     config_edit: dict | None = None  # model JSON keys replaced in a copy of --model.config
+    # the row whose tokens/s this row's is divided by in the table, and the least ratio the issue asks
+    reference: str | None = None
+    target_ratio: float | None = None
+    # a row whose dump is drawn with this one's by ``python -m flame.plot`` next to the result JSON
+    plot_with: str | None = None
 
 
 def _cfg(name: str) -> str:
@@ -155,13 +160,58 @@ def all_rows(steps: int) -> list[Row]:
     rows.append(Row("sft_transformer_1B", "sft", "transformer_1B, 4 x 2048 varlen, compile: --training.sft on the "
                     "bundled sample", config_run(_cfg("transformer_1B"), steps, 4, 2048,
                                                  (*varlen, "--training.sft", "--training.dataset", sft_data)),
-                    steps, 300))
+                    steps, 300, reference="sft_pretrain_transformer_1B", target_ratio=0.9))
+    rows += lora_rows(steps) + muon_rows()
     for name in CONFIGS_7B:
         rows.append(Row(f"config_{name}_offload", "offload", f"{name}, 2 x 2048, --offload.enable auto",
                         config_run(_cfg(name), steps, 2, 2048, ("--offload.enable", "auto",
                                                                  "--activation_checkpoint.mode", "full")),
                         steps, 420))
     return rows
+
+
+# LoRA on Llama-3-8B's shape: 4 x 8192 tokens a step in both rows (the offload planner picks its
+# micro-batch among the divisors of the batch within 16 GiB)
+LORA_8B = os.path.join(ROOT, "benchmarks/configs/llama3_8B.json")
+LORA_SEQ, LORA_SEQS_PER_STEP = 8192, 4
+# the resident run's micro-batch: float32 base (30 GiB, cast under autocast), full AC keeps one bf16
+# block input per layer (2 GiB per 8K tokens), the loss is chunked over the 128K vocabulary
+LORA_RESIDENT_MICRO_BATCH = 4
+
+
+def lora_rows(steps: int) -> list[Row]:
+    lora = ("--lora.rank", "16", "--lora.alpha", "32")
+    acc = LORA_SEQS_PER_STEP // LORA_RESIDENT_MICRO_BATCH
+    resident = Row("lora_8B_resident", "lora", f"Llama-3-8B shape, LoRA rank 16, base on the GPU (float32, "
+                   f"bf16 autocast), {LORA_RESIDENT_MICRO_BATCH} x {LORA_SEQ} x {acc} accumulation, full AC, compile",
+                   config_run(LORA_8B, steps, LORA_RESIDENT_MICRO_BATCH, LORA_SEQ,
+                              (*lora, "--offload.enable", "off", "--activation_checkpoint.mode", "full",
+                               "--training.gradient_accumulation_steps", str(acc))),
+                   steps, 480)
+    offloaded = Row("lora_8B_offload", "lora", f"the same LoRA run, {LORA_SEQS_PER_STEP} x {LORA_SEQ} a step, "
+                    "bf16 base streamed from host memory (the planner picks micro-batch and recompute): "
+                    "--offload.enable on --offload.gpu_memory_gib 16",
+                    config_run(LORA_8B, steps, LORA_SEQS_PER_STEP, LORA_SEQ,
+                               (*lora, "--offload.enable", "on", "--offload.gpu_memory_gib", "16")),
+                    steps, 480, reference=resident.name, target_ratio=0.6)
+    return [resident, offloaded]
+
+
+# Muon against AdamW on the 340M transformer: a fixed step count (loss curves, not --steps) at
+# 8 x 4096 tokens a step: ~0.2 s a step at the 340M's ~160K tokens/s on an H100, so a row is
+# about a minute of steps after its ~1 minute start
+MUON_STEPS = 300
+
+
+def muon_rows() -> list[Row]:
+    def run(name: str) -> list[str]:
+        return config_run(_cfg("transformer_340M"), MUON_STEPS, 8, 4096, ("--optimizer.name", name))
+
+    adamw = Row("muon_adamw_340M", "muon", f"transformer_340M, 8 x 4096, compile, {MUON_STEPS} steps: AdamW "
+                "(reference for the Muon row)", run("AdamW"), MUON_STEPS, 240)
+    muon = Row("muon_340M", "muon", "the same run with --optimizer.name Muon (equal tokens)", run("Muon"),
+               MUON_STEPS, 240, reference=adamw.name, target_ratio=0.9, plot_with=adamw.name)
+    return [adamw, muon]
 
 
 def _model_config(args: list[str]) -> str:
@@ -249,6 +299,8 @@ def run_row(row: Row, runs: str, cap_s: float) -> dict:
         "loss_last": recs[-1]["loss"] if recs else None,
         "recompiles": len(re.findall(r"Recompiling function", console)),
         "step_times_s": [round(r.get("step_time", 0.0), 3) for r in recs],
+        "loss_curve": [[r.get("step"), r["loss"]] for r in recs],
+        "dump": dump,
         "command": "bash train.sh " + " ".join(args),
         "config_edit": row.config_edit,
     }
@@ -296,6 +348,39 @@ def write_markdown(json_path: str, md: str) -> None:
     print(md)
 
 
+def ratios(rows: list[Row], results: list[dict]) -> list[dict]:
+    """Each row with a reference: its tokens/s over the reference row's, when both ran."""
+    tps = {r["row"]: r.get("tokens_per_second") for r in results}
+    out = []
+    for row in rows:
+        if row.reference and tps.get(row.name) and tps.get(row.reference):
+            ratio = tps[row.name] / tps[row.reference]
+            out.append({"row": row.name, "reference": row.reference, "ratio": round(ratio, 3),
+                        "target_ratio": row.target_ratio,
+                        "met": None if row.target_ratio is None else ratio >= row.target_ratio})
+    return out
+
+
+def plot_pairs(rows: list[Row], results: list[dict], out_json: str) -> list[str]:
+    """``python -m flame.plot`` of each row and its ``plot_with`` row (both dumps present), written
+    next to the result JSON; returns the files written."""
+    dumps = {r["row"]: r.get("dump") for r in results}
+    written = []
+    for row in rows:
+        pair = [dumps.get(row.plot_with), dumps.get(row.name)] if row.plot_with else []
+        if not pair or not all(d and os.path.isfile(os.path.join(d, "metrics.jsonl")) for d in pair):
+            continue
+        target = f"{os.path.splitext(out_json)[0]}_{row.name}.png"
+        proc = subprocess.run([sys.executable, "-m", "flame.plot", *pair, "--out", target],
+                              capture_output=True, text=True, cwd=ROOT)
+        got = [l.split("wrote ", 1)[1] for l in proc.stdout.splitlines() if l.startswith("wrote ")]
+        if proc.returncode == 0 and got:
+            written.append(got[0])
+        else:
+            print(f"plot of {row.name} failed: {proc.stderr.strip()[-500:]}", flush=True)
+    return written
+
+
 def markdown(doc: dict) -> str:
     d = doc["device"]
     head = (f"{d['name']} x{d['count']}; " + ", ".join(f"{k} {v}" for k, v in doc["versions"].items())
@@ -313,6 +398,19 @@ def markdown(doc: dict) -> str:
             tps += f" (GPU shared by {r['rows_sharing_gpu']} rows)"
         lines.append(f"| {r['row']} | {r['what']} | {r['exit']} | {fmt(r['first_step_s'], '.0f')} | "
                      f"{tps} | {fmt(r['peak_reserved_gib'], '.1f')} | {loss} | {r['recompiles']} |")
+    if doc.get("ratios"):
+        lines.append("")
+    for q in doc.get("ratios", []):
+        line = f"- {q['row']}: {q['ratio']:.2f}x the tokens/s of {q['reference']} ({(q['ratio'] - 1) * 100:+.0f}%"
+        if q["target_ratio"] is not None:
+            line += f"; target >= {q['target_ratio']}x, {'met' if q['met'] else 'NOT met'}"
+        lines.append(line + ")")
+    for r in doc["results"]:
+        if r.get("trained_tokens_per_second"):
+            lines.append(f"- {r['row']}: {r['trained_tokens_per_second']:,} trained (loss) tokens/s of "
+                         f"{r['tokens_per_second']:,} tokens/s")
+    for path in doc.get("plots", []):
+        lines.append(f"- plot: {os.path.basename(path)}")
     return "\n".join(lines)
 
 
@@ -320,8 +418,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", nargs="?")
     ap.add_argument("--rows", default="", help="comma list of row names (default: all of --groups)")
-    ap.add_argument("--groups", default="readme,paper", help="comma list: smoke, readme, paper, attn, configs, offload")
-    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--groups", default="readme,paper",
+                    help="comma list: smoke, readme, paper, attn, configs, sft, lora, muon, offload")
+    ap.add_argument("--steps", type=int, default=20, help=f"steps a row (the muon rows run {MUON_STEPS}: loss curves)")
     ap.add_argument("--budget_s", type=float, default=540, help="stop starting rows after this many seconds")
     ap.add_argument("--runs", default=os.environ.get("FLAME_RUNS", "/tmp/flame_acceptance"))
     ap.add_argument("--parallel", type=int, default=1,
@@ -370,7 +469,8 @@ def main() -> int:
                 res = {"row": row.name, "group": row.group, "what": row.what, "exit": "not run",
                        "reason": "out of the call's time budget"}
             doc["results"] = [r for r in doc["results"] if r["row"] != row.name] + [res]
-            print(json.dumps({k: v for k, v in res.items() if k not in ("command", "step_times_s")}), flush=True)
+            print(json.dumps({k: v for k, v in res.items() if k not in ("command", "step_times_s", "loss_curve")}),
+                  flush=True)
             with open(a.out, "w") as f:
                 json.dump(doc, f, indent=1)
 
@@ -389,6 +489,8 @@ def main() -> int:
             record(row, run_one(row, 1))
     order = {r.name: i for i, r in enumerate(chosen)}
     doc["results"].sort(key=lambda r: order[r["row"]])
+    doc["ratios"] = ratios(chosen, doc["results"])
+    doc["plots"] = plot_pairs(chosen, doc["results"], a.out)
     with open(a.out, "w") as f:
         json.dump(doc, f, indent=1)
     write_markdown(a.out, markdown(doc))

@@ -1,0 +1,97 @@
+"""The GPU acceptance rows of issue 19 (``benchmarks/acceptance.py``, groups sft, lora and muon) are
+command lines flame's config manager accepts, compared at equal tokens per step; no run."""
+
+import importlib.util
+import os
+import sys
+
+import pytest
+
+from flame.config.manager import FlameConfigManager
+from tests.trainer.helpers import ROOT
+
+
+def _acceptance():
+    spec = importlib.util.spec_from_file_location("acceptance", os.path.join(ROOT, "benchmarks/acceptance.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+acceptance = _acceptance()
+ROWS = {r.name: r for r in acceptance.all_rows(20)}
+GROUPS = ("sft", "lora", "muon")
+
+
+def _job(row, tmp_path):
+    return FlameConfigManager().parse_args([*row.args, "--job.dump_folder", str(tmp_path / row.name)])
+
+
+def _tokens_per_step(job) -> int:
+    t = job.training
+    return t.batch_size * t.seq_len * t.gradient_accumulation_steps
+
+
+@pytest.mark.parametrize("name", [n for n, r in ROWS.items() if r.group in GROUPS])
+def test_the_row_parses(name, tmp_path):
+    row = ROWS[name]
+    job = _job(row, tmp_path)
+    assert job.training.steps == row.steps
+    assert os.path.isfile(job.model.config)
+    if row.reference:
+        assert ROWS[row.reference].group == row.group
+    if row.plot_with:
+        assert ROWS[row.plot_with].group == row.group
+
+
+def test_lora_rows_compare_offload_with_the_resident_run_at_equal_tokens(tmp_path):
+    resident, offloaded = (_job(ROWS[n], tmp_path) for n in ("lora_8B_resident", "lora_8B_offload"))
+    assert resident.lora.rank == offloaded.lora.rank == 16
+    assert resident.offload.enable == "off" and offloaded.offload.enable == "on"
+    assert offloaded.offload.gpu_memory_gib == 16
+    assert resident.model.config.endswith("benchmarks/configs/llama3_8B.json") and resident.model.config == offloaded.model.config
+    assert _tokens_per_step(resident) == _tokens_per_step(offloaded)
+    # the resident run recomputes every block; the offload planner chooses per block
+    assert resident.activation_checkpoint.mode == "full" and offloaded.activation_checkpoint.mode == "none"
+    assert resident.training.compile and offloaded.training.compile
+    assert ROWS["lora_8B_offload"].reference == "lora_8B_resident"
+
+
+def test_muon_rows_differ_only_in_the_optimizer(tmp_path):
+    adamw, muon = ROWS["muon_adamw_340M"], ROWS["muon_340M"]
+    assert _job(adamw, tmp_path).optimizer.name == "AdamW" and _job(muon, tmp_path).optimizer.name == "Muon"
+    differ = [(a, b) for a, b in zip(adamw.args, muon.args) if a != b]
+    assert len(adamw.args) == len(muon.args) and differ == [("AdamW", "Muon")]
+    assert muon.steps >= 200 and muon.plot_with == adamw.name
+
+
+def test_the_table_prints_each_ratio_against_its_reference():
+    rows = [ROWS[n] for n in ("muon_adamw_340M", "muon_340M", "lora_8B_resident", "lora_8B_offload")]
+    results = [{"row": "muon_adamw_340M", "tokens_per_second": 200_000}, {"row": "muon_340M", "tokens_per_second": 170_000},
+               {"row": "lora_8B_resident", "tokens_per_second": 12_000}, {"row": "lora_8B_offload", "tokens_per_second": None}]
+    got = acceptance.ratios(rows, results)
+    assert got == [{"row": "muon_340M", "reference": "muon_adamw_340M", "ratio": 0.85, "target_ratio": 0.9, "met": False}]
+    doc = {"device": {"name": "cpu", "count": 0}, "versions": {}, "commit": "x" * 10, "date": "2026-11-26",
+           "steps": 20, "results": [], "ratios": got, "plots": ["/out/acceptance_t_muon_340M.png"]}
+    md = acceptance.markdown(doc)
+    assert "- muon_340M: 0.85x the tokens/s of muon_adamw_340M (-15%; target >= 0.9x, NOT met)" in md
+    assert "- plot: acceptance_t_muon_340M.png" in md
+
+
+def test_the_muon_pair_is_drawn_next_to_the_result(tmp_path):
+    import json
+
+    results = []
+    for name, losses in (("muon_adamw_340M", [10.5, 9.0, 8.0]), ("muon_340M", [10.5, 8.5, 7.5])):
+        dump = tmp_path / name
+        dump.mkdir()
+        (dump / "metrics.jsonl").write_text("".join(json.dumps({"step": i + 1, "loss": v}) + "\n"
+                                                    for i, v in enumerate(losses)))
+        results.append({"row": name, "dump": str(dump)})
+    rows = [ROWS["muon_adamw_340M"], ROWS["muon_340M"]]
+    written = acceptance.plot_pairs(rows, results, str(tmp_path / "acceptance_t.json"))
+    assert len(written) == 1 and os.path.basename(written[0]).startswith("acceptance_t_muon_340M.")
+    assert os.path.getsize(written[0]) > 0
+    # a pair with a dump missing draws nothing
+    assert acceptance.plot_pairs(rows, results[1:], str(tmp_path / "other.json")) == []
