@@ -66,14 +66,15 @@ def test_transformer_exports_as_llama_with_equal_logits_and_umask(tmp_path):
 
 
 LOADER = textwrap.dedent('''
-    import importlib.abc, sys, torch
+    import importlib.abc, os, sys, torch
     blocked = {"flame", "custom_models", "fla", "triton"}
     class Block(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path, target=None):
             if name.split(".")[0] in blocked:
                 raise ModuleNotFoundError(f"No module named {name!r} (blocked)")
     sys.meta_path.insert(0, Block())
-    sys.path = [p for p in sys.path if not p.startswith(sys.argv[1])]
+    # the checkout itself off the path (a virtual environment inside it stays)
+    sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.abspath(sys.argv[1])]
     from transformers import AutoModelForCausalLM
     remote, fla_dir, ids_file, out_file = sys.argv[2:]
     ids = torch.load(ids_file)
