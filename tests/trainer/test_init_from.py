@@ -119,7 +119,7 @@ def test_resume_ignores_init_from(one_device, tmp_path, caplog):
 
 
 def test_vocabulary_raised_by_the_tokenizer_is_one_line(tmp_path, capsys):
-    from flame.utils.dump_folder import main  # what train.sh runs before any process starts
+    from flame.train import main
 
     small = _save_tiny_llama(tmp_path / "small", 256, seed=1)  # the tokenizer's 8192 ids raise it
     dump = str(tmp_path / "run")
