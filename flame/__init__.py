@@ -12,12 +12,18 @@ offload planner's measurements. Plain ``transformers`` code that runs an FLA mod
 """
 
 import importlib
+import warnings
 
 __version__ = "0.1.0"
 
 
 def _register_model_families() -> None:
-    import fla  # noqa: F401  (registers FLA's configs and models)
+    # FLA warns on import on every machine without a Triton GPU backend; flame runs on CPU by
+    # design (its own fallbacks), so that one message is noise in every command's output
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Triton is not supported on current platform",
+                                category=UserWarning)
+        import fla  # noqa: F401  (registers FLA's configs and models)
 
     # flame's transformer replaces FLA's "transformer" entry (which needs flash_attn)
     for name in ("flame.models.transformer", "custom_models"):

@@ -217,8 +217,9 @@ def main(argv: list[str]) -> int:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
     if any(a in ("-h", "--help") for a in argv):
-        # the user's options go along: --help shows the values of the job file they name
-        os.execvpe(python, [python, "-m", "flame.train", *argv], env)
+        # the help shows the values this run would use: the default job's options (or the job file
+        # the user names) with the user's on top
+        os.execvpe(python, [python, "-m", "flame.train", *job_args(argv)], env)
     args = job_args(argv)
     job = Job(args, python, env)
     for s in (signal.SIGTERM, signal.SIGINT):

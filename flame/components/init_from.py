@@ -61,6 +61,7 @@ def follow_init_from(cfg, cli_keys: set[str]) -> None:
     if not m.init_from:
         return
     m.init_from = resolve_folder(m.init_from)
+    refuse_adapter_folder(m.init_from)
     if cfg.checkpoint.initial_load_path:
         raise ConfigError(f"{OPTION} and checkpoint.initial_load_path {cfg.checkpoint.initial_load_path!r} both name "
                           "starting weights; give one")
@@ -72,6 +73,22 @@ def follow_init_from(cfg, cli_keys: set[str]) -> None:
     has_tokenizer = any(os.path.isfile(os.path.join(m.init_from, n)) for n in _TOKENIZER_FILES)
     if has_tokenizer and "model.tokenizer_path" not in cli_keys and (from_cli or not m.tokenizer_path):
         m.tokenizer_path = m.init_from
+
+
+def refuse_adapter_folder(folder: str) -> None:
+    """A PEFT LoRA folder (flame's ``DUMP/hf_adapter``) holds adapters, not a model: one line says
+    which folder to give instead."""
+    from flame.lora.export import ADAPTER_CONFIG
+
+    if os.path.isfile(os.path.join(folder, "config.json")) or not os.path.isfile(os.path.join(folder, ADAPTER_CONFIG)):
+        return
+    base = None
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        with open(os.path.join(folder, ADAPTER_CONFIG)) as f:
+            base = json.load(f).get("base_model_name_or_path")
+    raise ConfigError(f"{OPTION} {folder!r}: holds LoRA adapters ({ADAPTER_CONFIG}), not a model; {OPTION} needs "
+                      "the base model's folder: the merged export (DUMP/hf next to DUMP/hf_adapter) or the base "
+                      f"model's Hugging Face folder{f' ({base})' if isinstance(base, str) and base else ''}")
 
 
 def weight_files(folder: str) -> list[str]:

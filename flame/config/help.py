@@ -3,9 +3,10 @@
 tyro's help lists every torchtitan field (pipeline, float8, fault tolerance ...) whether flame
 reads it or not, shows torchtitan's defaults where flame's job file sets others, loses the
 docstrings of flame's extension fields (the merged dataclass has no source) and lists each
-alias pair twice. This help is built from the parsed job file instead: the options flame
+alias pair twice. This help is built from the parsed command line instead: the options flame
 reads, each with the first sentence of its field docstring (flame's own where flame defines
-the field, torchtitan's otherwise) and the value the job file gives it. Hidden options are
+the field, torchtitan's otherwise) and the value the command line (its options over its job
+file) gives it. Hidden options are
 still accepted on the command line and in TOML.
 """
 
@@ -177,7 +178,7 @@ def format_help(config, prog: str, toml_path: str | None) -> str:
     intro = f"""usage: {prog} [--job.config_file X.toml] [--section.key VALUE ...]
 
 Values come from the command line, else the job file, else flame's defaults; [the value] below
-is the one this command line's job file gives. Job file: {toml_path or 'none'}
+is the one this command line gives (its options, then its job file). Job file: {toml_path or 'none'}
 (--job.config_file; the bundled flame/models/fla.toml when not given, '' for none).
 Flags: --section.flag turns one on, --section.no-flag off. Dashes and underscores are
 interchangeable. Input paths in a job file are relative to its folder; bundled ones

@@ -305,10 +305,11 @@ class FlameConfigManager(ConfigManager):
 
     def help_text(self, args: list[str], prog: str = "python -m flame.train") -> str:
         """``--help``: flame's options with one-line descriptions and the values this command
-        line's job file gives them (``flame.config.help``)."""
+        line gives them, its options over its job file (``flame.config.help``)."""
         from flame.config.help import format_help
 
-        return format_help(self.base_config(args), prog, self.toml_path(args))
+        config, _ = self._parse_cli([a for a in args if a not in ("-h", "--help")])
+        return format_help(config, prog, self.toml_path(args))
 
     def parse_args(self, args: list[str] | None = None):
         args = list(sys.argv[1:] if args is None else args)
@@ -317,6 +318,16 @@ class FlameConfigManager(ConfigManager):
 
             print_help(self.help_text(args))
             raise SystemExit(0)
+        config, given = self._parse_cli(args)
+        from flame.components.init_from import follow_init_from
+
+        follow_init_from(config, given)
+        validate(config)
+        return config
+
+    def _parse_cli(self, args: list[str]):
+        """The job file with the command line's values on top, paths resolved and aliases folded;
+        and the option names the command line sets. No checks that read the files it names."""
         given = self._check_cli(args)
         # tyro reports what flame's checks let through as a multi-line box: one line instead
         captured = io.StringIO()
@@ -335,11 +346,7 @@ class FlameConfigManager(ConfigManager):
             sec = getattr(config, section)
             setattr(sec, name, resolve_path_option(key, getattr(sec, name), cwd_then_package))
         resolve_aliases(config, given)
-        from flame.components.init_from import follow_init_from
-
-        follow_init_from(config, given)
-        validate(config)
-        return config
+        return config, given
 
 
 # flame spelling -> the torchtitan field it stands for

@@ -31,3 +31,15 @@ def test_import_flame_patches_nothing_and_ignores_a_bad_autotune_variable():
     proc = subprocess.run([sys.executable, '-c', CHECK], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert 'PATCHED []' in proc.stdout, proc.stdout
+
+
+def test_import_flame_on_cpu_prints_no_triton_warning_and_keeps_the_warning_filters():
+    """FLA's "Triton is not supported ... roll back to CPU" is silenced around flame's import of FLA
+    only: the process's warning filters are the same before and after ``import flame``."""
+    code = ("import warnings; before = list(warnings.filters); import flame; "
+            "print('FILTERS_KEPT', list(warnings.filters) == before)")
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES='')
+    proc = subprocess.run([sys.executable, '-c', code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert 'Triton is not supported' not in proc.stderr, proc.stderr
+    assert 'FILTERS_KEPT True' in proc.stdout, proc.stdout

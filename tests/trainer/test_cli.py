@@ -134,6 +134,31 @@ def test_help_shows_the_named_job_file_values(tmp_path):
     assert "--training.steps INT  [77]" in text and str(path) in text
 
 
+def test_help_shows_the_command_line_values_over_the_job_file():
+    """``bash train.sh --help`` shows the default tiny job the launcher would run, not the bare
+    fla.toml underneath it; options given with --help count too."""
+    import subprocess
+    import sys
+
+    from flame.launch import default_job, job_args
+
+    base = default_job()
+    steps, model = base[base.index("--training.steps") + 1], base[base.index("--model.config") + 1]
+    toml_steps = FlameConfigManager().base_config([]).training.steps
+    assert steps != str(toml_steps)  # otherwise this test could not tell the two apart
+    text = FlameConfigManager().help_text(job_args(["--help"]))
+    assert f"--training.steps INT  [{steps}]" in text and f"--model.config STR  [{model}]" in text
+    text = FlameConfigManager().help_text(job_args(["--training.steps", "7", "--help"]))
+    assert "--training.steps INT  [7]" in text
+
+    # through the launcher, as a user types it
+    env = dict(os.environ, PYTHON=sys.executable)
+    proc = subprocess.run(["bash", os.path.join(ROOT, "train.sh"), "--training.steps", "7", "--help"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "--training.steps INT  [7]" in proc.stdout and f"--model.config STR  [{model}]" in proc.stdout
+
+
 def test_help_into_a_closed_pipe_exits_0(monkeypatch):
     """`python -m flame.train --help | head`: the reader closing the pipe is no traceback."""
     from flame.offload import calculator as plan

@@ -2,6 +2,7 @@
 transformers) on the same batch, on one device, under FSDP2 on 2 gloo ranks and with offload;
 shape/name mismatches and pickle-only folders are one line; a resumed run ignores it."""
 
+import json
 import logging
 import os
 import pytest
@@ -189,3 +190,20 @@ def test_config_and_tokenizer_follow_init_from(hf_dir):
     assert cfg.model.config == TINY_LLAMA and cfg.model.tokenizer_path == hf_dir
     with pytest.raises(ConfigError, match="no such folder, and no such model in the local Hugging Face cache"):
         FlameConfigManager().parse_args(["--model.init_from", "nobody-xyz/no-such-model"])
+
+
+def test_a_peft_adapter_folder_is_named_as_such(tmp_path, capsys):
+    """``DUMP/hf_adapter`` given as init_from: one line saying it holds adapters and what to give instead."""
+    from flame.lora.export import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+    from flame.utils.dump_folder import main  # what train.sh runs before any process starts
+
+    adapter = tmp_path / "hf_adapter"
+    adapter.mkdir()
+    (adapter / ADAPTER_CONFIG).write_text(json.dumps({"peft_type": "LORA", "base_model_name_or_path": "/models/base"}))
+    (adapter / ADAPTER_WEIGHTS).write_bytes(b"")
+    for extra in ([], ["--model.config", TINY_LLAMA]):  # with a config of its own, too: not a weight mismatch
+        assert main(["--model.init_from", str(adapter), *extra]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1, lines
+        assert lines[0].startswith(f"flame: error: model.init_from '{adapter}': holds LoRA adapters")
+        assert "base model's folder" in lines[0] and "DUMP/hf" in lines[0] and "(/models/base)" in lines[0]
