@@ -60,7 +60,7 @@ from flame.offload.runtime.worker import CpuWorker
 DT = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-class OffloadEngine(EngineStateDict):
+class OffloadEngine:
     def __init__(self, model: nn.Module, plan: Plan, device: torch.device, lr: float = 1e-3,
                  betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0, description: str = "",
                  no_decay: set[str] | None = None, pin_piece_bytes: int = PIN_PIECE_BYTES, group=None):
@@ -141,6 +141,8 @@ class OffloadEngine(EngineStateDict):
             if u.activation_mode == "offload":
                 u.activations = HostActivations(u.name, self.streams, self.device, self.cuda, pin_piece_bytes)
         self._clip_coefficient: float | None = None  # from clip_grad_norm_, for the next step()
+        self.checkpoint = EngineStateDict(model, self.units, self.fqns, self.schedule, self.optimizer, self.streams,
+                                          group, self.comm_device)
         self.hooks = ModelHooks(model, blocks, self.units, self.schedule, self.gradients, self.pinned, self.device)
 
     # ------------------------------------------------------------------ buffers
@@ -271,6 +273,35 @@ class OffloadEngine(EngineStateDict):
                 add(cat, b)
         rep["total"] = sum(rep.values())
         return rep
+
+    # ------------------------------------------------------------------ checkpoint (state_dict.py)
+    def model_state_keys(self) -> list[str]:
+        """The names model_state_dict returns (no gathering)."""
+        return self.checkpoint.model_state_keys()
+
+    def model_state_dict(self) -> dict[str, torch.Tensor]:
+        self.synchronize()
+        return self.checkpoint.model_state_dict()
+
+    def load_model_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        self.synchronize()
+        self.checkpoint.load_model_state_dict(sd)
+
+    def optimizer_state_dict(self) -> dict:
+        self.synchronize()
+        return self.checkpoint.optimizer_state_dict()
+
+    def load_optimizer_state_dict(self, sd: dict) -> None:
+        self.synchronize()
+        self.checkpoint.load_optimizer_state_dict(sd)
+
+    def state_dict(self) -> dict:
+        return {"model": self.model_state_dict(), "optimizer": self.optimizer_state_dict()}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.load_model_state_dict(sd["model"])
+        if "optimizer" in sd:
+            self.load_optimizer_state_dict(sd["optimizer"])
 
     def describe(self) -> str:
         return self.description or repr(self.plan)
