@@ -5,7 +5,7 @@ slots, prefetch: schedule.py), the gradients (buffers, reduce-scatter, accumulat
 the host, norms: gradients.py), the optimizer (masters, moments, AdamW on GPU or CPU, clipping,
 NaN skips: host_optimizer.py), the CPU worker (worker.py), the activation arenas
 (activations.py) and the model hooks that drive them (hooks.py); it checkpoints their state
-under the plain run's names (state_dict.py).
+under the plain run's names (state_dict.py) and reports the device memory they hold (memory.py).
 
 Every unit (a decoder block, or "outer" = everything else: embeddings, final norm, head) owns
 flat buffers; its module parameters become views into its compute-dtype flat buffer:
@@ -44,13 +44,14 @@ import torch.nn as nn
 
 from flame.errors import ConfigError
 from flame.models.blocks import find_blocks
-from flame.offload.planner.cost_model import ACT_MODES, MEMORY_CATEGORIES
+from flame.offload.planner.cost_model import ACT_MODES
 from flame.offload.planner.plan import Plan
 from flame.offload.runtime.activations import HostActivations
 from flame.offload.runtime.collectives import comm_device, multi_rank, native
 from flame.offload.runtime.gradients import Gradients
 from flame.offload.runtime.hooks import ModelHooks
 from flame.offload.runtime.host_optimizer import HostOptimizer, clip_coefficient, global_norm
+from flame.offload.runtime.memory import device_bytes
 from flame.offload.runtime.schedule import WeightSchedule
 from flame.offload.runtime.state_dict import EngineStateDict
 from flame.offload.runtime.streams import PIN_PIECE_BYTES, PinnedBuffers, Streams
@@ -240,40 +241,8 @@ class OffloadEngine:
 
     def memory_report(self) -> dict[str, int]:
         """Bytes the engine holds on the compute device, by the categories of
-        cost_model.static_gpu_bytes (each storage counted once, under the first category that
-        names it: a master that is the compute copy counts as compute, an accumulator that is the
-        grad buffer as grads), plus "other" (the model's buffers, optimizer step counters) and
-        "total". Activations and a step's transients are not the engine's and not in here; the
-        moments appear after the first step (AdamW allocates them lazily)."""
-        rep = dict.fromkeys(MEMORY_CATEGORIES + ("other",), 0)
-        seen = set()
-
-        def add(cat, t):
-            if t is not None and t.device.type == self.device.type and t.untyped_storage().data_ptr() not in seen:
-                seen.add(t.untyped_storage().data_ptr())
-                rep[cat] += t.untyped_storage().nbytes()
-
-        for u in self.units:
-            if u.mode != "stream":
-                add("compute", u.weights.resident)
-                add("grads", u.grads.buffer)
-            add("grad_acc", u.grads.device_accumulator)  # host units accumulating on the GPU
-            add("shards", u.grads.shard)  # data parallelism: the reduce-scattered grad shard
-            if u.mode == "gpu" and not u.frozen:  # host units keep these on the host
-                o = u.optimizer
-                add("grad_acc", u.grads.accumulator)
-                add("master", o.master.data)
-                for k, v in o.adamw.state.get(o.master, {}).items():
-                    add("moments" if k in ("exp_avg", "exp_avg_sq") else "other", v)
-        for cat, bufs in (("slots", [x.buffer for x in self.schedule.slots]),
-                          ("grad_slots", [x.buffer for x in self.gradients.slots]),
-                          ("conversion", self.gradients.conversion),
-                          ("other", list(self.model.buffers()) + [self.gradients.gpu_sq])):
-            for b in bufs:
-                add(cat, b)
-        rep["total"] = sum(rep.values())
-        return rep
-
+        cost_model.static_gpu_bytes (memory.device_bytes says how each is counted)."""
+        return device_bytes(self.units, self.schedule, self.gradients, self.model, self.device)
     # ------------------------------------------------------------------ checkpoint (state_dict.py)
     def model_state_keys(self) -> list[str]:
         """The names model_state_dict returns (no gathering)."""
