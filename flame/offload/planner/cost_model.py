@@ -201,7 +201,7 @@ class Prediction:
     cpu_s: float
     useful_flops: float
     static_gpu: dict = field(default_factory=dict)
-    """The engine's own GPU buffers by category (OffloadEngine.memory_report measures these)."""
+    """The engine's own GPU buffers by category (OffloadEngine.memory_report, runtime/memory.py, measures these)."""
     activation_bytes: int = 0
     """Saved for the backward at the end of the forward."""
     transient_bytes: int = 0

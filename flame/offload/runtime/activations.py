@@ -42,7 +42,7 @@ def dense_strides(t: torch.Tensor) -> tuple[int, ...] | None:
 
 class HostActivations:
     """One offloaded block's saved tensors (no reference to the engine: the saved-tensor handles
-    hold this object, and autograd's C++ side holds them, see engine._weak_unit_call)."""
+    hold this object, and autograd's C++ side holds them, see hooks.ModelHooks._weak_unit_call)."""
 
     def __init__(self, name: str, streams: Streams, device: torch.device, pin: bool,
                  pin_piece_bytes: int = PIN_PIECE_BYTES):

@@ -3,9 +3,9 @@
 It composes the parts, each owning its state of every unit: the schedule (compute weights, GPU
 slots, prefetch: schedule.py), the gradients (buffers, reduce-scatter, accumulation, copies to
 the host, norms: gradients.py), the optimizer (masters, moments, AdamW on GPU or CPU, clipping,
-NaN skips: host_optimizer.py), the CPU worker (worker.py) and the activation arenas
-(activations.py). The engine installs the model hooks that drive them and checkpoints their
-state under the plain run's names (state_dict.py).
+NaN skips: host_optimizer.py), the CPU worker (worker.py), the activation arenas
+(activations.py) and the model hooks that drive them (hooks.py); it checkpoints their state
+under the plain run's names (state_dict.py) and reports the device memory they hold (memory.py).
 
 Every unit (a decoder block, or "outer" = everything else: embeddings, final norm, head) owns
 flat buffers; its module parameters become views into its compute-dtype flat buffer:
@@ -38,23 +38,21 @@ step before the norm, and every rank steps the same copy on the GPU.
 from __future__ import annotations
 
 import math
-import weakref
-from functools import partial
 
 import torch
 import torch.nn as nn
-from torch.utils.checkpoint import checkpoint
 
 from flame.errors import ConfigError
 from flame.models.blocks import find_blocks
-from flame.offload.planner.cost_model import ACT_MODES, MEMORY_CATEGORIES
+from flame.offload.planner.cost_model import ACT_MODES
 from flame.offload.planner.plan import Plan
 from flame.offload.runtime.activations import HostActivations
 from flame.offload.runtime.collectives import comm_device, multi_rank, native
 from flame.offload.runtime.gradients import Gradients
+from flame.offload.runtime.hooks import ModelHooks
 from flame.offload.runtime.host_optimizer import HostOptimizer, clip_coefficient, global_norm
+from flame.offload.runtime.memory import device_bytes
 from flame.offload.runtime.schedule import WeightSchedule
-from flame.offload.runtime.selective import selective_checkpoint
 from flame.offload.runtime.state_dict import EngineStateDict
 from flame.offload.runtime.streams import PIN_PIECE_BYTES, PinnedBuffers, Streams
 from flame.offload.runtime.units import Unit
@@ -63,21 +61,7 @@ from flame.offload.runtime.worker import CpuWorker
 DT = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-def _no_cache(kwargs: dict) -> dict:
-    """A checkpointed block's keyword arguments without a KV cache: its forward runs again in the
-    backward and would append to the cache twice (HF models pass one when `use_cache` is on, as
-    `past_key_values`, or `cache` since transformers 5.24; training never reads it). Selective
-    recompute refuses the second forward's different ops."""
-    out = dict(kwargs)
-    for key in ("past_key_values", "cache"):
-        if out.get(key) is not None:
-            out[key] = None
-    if out.get("use_cache"):
-        out["use_cache"] = False
-    return out
-
-
-class OffloadEngine(EngineStateDict):
+class OffloadEngine:
     def __init__(self, model: nn.Module, plan: Plan, device: torch.device, lr: float = 1e-3,
                  betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0, description: str = "",
                  no_decay: set[str] | None = None, pin_piece_bytes: int = PIN_PIECE_BYTES, group=None):
@@ -157,15 +141,10 @@ class OffloadEngine(EngineStateDict):
         for u in self.units:
             if u.activation_mode == "offload":
                 u.activations = HostActivations(u.name, self.streams, self.device, self.cuda, pin_piece_bytes)
-        self._offloading: HostActivations | None = None  # the offloaded block whose forward runs now
-        # the forward's last offloaded block: its GPU copies are dropped once the next one ends or the forward does
-        self._last_offloaded: HostActivations | None = None
-        # storages of weights that are not slots: never offloaded as activations
-        self.weight_storages = {u.weights.resident.untyped_storage().data_ptr()
-                                for u in self.units if u.weights.resident is not None}
-        self._bwd_started = False
         self._clip_coefficient: float | None = None  # from clip_grad_norm_, for the next step()
-        self._install_hooks()
+        self.checkpoint = EngineStateDict(model, self.units, self.fqns, self.schedule, self.optimizer, self.streams,
+                                          group, self.comm_device)
+        self.hooks = ModelHooks(model, blocks, self.units, self.schedule, self.gradients, self.pinned, self.device)
 
     # ------------------------------------------------------------------ buffers
     def _build_buffers(self) -> None:
@@ -190,148 +169,6 @@ class OffloadEngine(EngineStateDict):
             # page-lock in the background while the GPU side is set up; joined before the first forward
             self.pinned.register_in_background([t for u in self.units if u.mode != "gpu"
                                                 for t in (u.weights.host, u.grads.staging) if t is not None])
-
-    # ------------------------------------------------------------------ hooks
-    def _install_hooks(self) -> None:
-        """Hooks on the model; their handles are kept so that close() gives the model back."""
-        self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        h = [self.model.register_forward_pre_hook(self._model_pre), self.model.register_forward_hook(self._model_post)]
-        self._wrapped = []
-        for i, b in enumerate(self.blocks):
-            u = self.units[i + 1]
-            h += [b.register_forward_pre_hook(self._block_pre(u)), b.register_forward_hook(self._block_post(u))]
-            ckpt = {"recompute": partial(checkpoint, use_reentrant=False),
-                    "selective": selective_checkpoint}.get(u.activation_mode)
-            if ckpt is not None:
-                b.forward = lambda *a, _f=b.forward, _c=ckpt, **k: _c(_f, *a, **_no_cache(k))
-                self._wrapped.append(b)
-        for u in self.units:
-            for _, p in ([] if u.frozen else u.params):
-                h.append(p.register_post_accumulate_grad_hook(self._weak_unit_call(OffloadEngine._grad_arrived, u)))
-        self._handles = h
-
-    def _remove_hooks(self) -> None:
-        for h in self._handles:
-            h.remove()
-        for b in self._wrapped:
-            del b.forward  # the instance attribute set above; the class's forward shows again
-        self._handles, self._wrapped = [], []
-
-    def _model_pre(self, mod, args):
-        self.pinned.join()
-        self.schedule.forward_start()
-        self.gradients.forward_start()
-        self._bwd_started = False
-        self._saved_hooks.__enter__()
-
-    def _model_post(self, mod, args, out):
-        self._saved_hooks.__exit__(None, None, None)
-        if self._last_offloaded is not None:
-            self._last_offloaded.release_forward()
-            self._last_offloaded = None
-
-    def _block_pre(self, u: Unit):
-        def hook(mod, args):
-            self.schedule.block_forward(u)
-            if u.activations is not None:
-                u.activations.begin_forward()
-                self._offloading = u.activations
-
-        return hook
-
-    def _block_post(self, u: Unit):
-        def hook(mod, args, out):
-            self.schedule.release(u)
-            if u.activations is not None:
-                self._offloading = None
-                u.activations.copy_out()
-                if self._last_offloaded is not None:  # at most two offloaded blocks on the GPU
-                    self._last_offloaded.release_forward()
-                self._last_offloaded = u.activations
-            t = out[0] if isinstance(out, (tuple, list)) else out
-            if isinstance(t, torch.Tensor) and t.requires_grad:
-                t.register_hook(self._weak_unit_call(OffloadEngine._bwd_start, u))
-
-        return hook
-
-    def _bwd_start(self, u: Unit) -> None:
-        if not self._bwd_started:
-            self._bwd_started = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._bwd_end)
-        for v in self.units[u.index + 1:]:  # their backward is done
-            if v.activations is not None:
-                v.activations.release_backward()
-        if u.index < len(self.blocks) and self.units[u.index + 1].frozen:
-            # the block above has no grads to wait for: its backward (the last read of its
-            # weights) ended with this block's output grad
-            self._grads_ready(self.units[u.index + 1])
-        self.schedule.block_backward(u)
-        if u.mode == "stream" and not u.frozen:
-            self.gradients.lend_slot(u)
-
-    def _weak_unit_call(self, fn, u: Unit):
-        """A hook calling fn(engine, u) while the engine lives, for hooks that autograd's C++ side
-        owns (parameters, graph nodes). The garbage collector cannot see through those: a strong
-        reference to the engine (or to `u`, which holds the parameters) would make a cycle it never
-        collects, keeping the engine, the model and all their GPU memory alive after the engine is
-        dropped (a later run in the same process then starts that much fuller). Returns None (a
-        tensor hook that leaves the gradient as it is)."""
-        me, index = weakref.ref(self), u.index
-
-        def hook(*_):
-            eng = me()
-            if eng is not None:
-                fn(eng, eng.units[index])
-
-        return hook
-
-    def _grad_arrived(self, u: Unit) -> None:
-        if self.gradients.arrived(u):
-            self._grads_ready(u)
-
-    def _bwd_end(self) -> None:
-        for u in self.units:
-            if u.activations is not None:
-                u.activations.release_backward()
-        for u in self.units:
-            if not u.grads.flushed:
-                self._grads_ready(u)
-        self.gradients.end_round()
-
-    def _grads_ready(self, u: Unit) -> None:
-        """All of `u`'s grads of this micro-batch are in its grad buffer."""
-        if u.grads.flushed:
-            return
-        if u.mode == "stream":
-            self.schedule.release(u)
-        if u.frozen:
-            u.grads.flushed = True
-            return
-        self.gradients.hand_on(u)
-
-    # ------------------------------------------------------------------ saved tensors
-    def _pack(self, t: torch.Tensor):
-        slots = self.schedule.slot_of_storage
-        if slots and t.device.type == self.device.type:
-            slot = slots.get(t.untyped_storage().data_ptr())
-            if slot is not None and slot.owner is not None:
-                return ("w", slot.owner, t.storage_offset(), tuple(t.shape), t.stride())
-        a = self._offloading
-        if (a is not None and t.device.type == self.device.type and t.is_floating_point()
-                and t.untyped_storage().data_ptr() not in self.weight_storages):
-            return a.pack(t)
-        return t
-
-    @staticmethod
-    def _unpack(x):
-        # static: every saved tensor of the graph keeps this hook (from C++, unseen by the garbage
-        # collector); the engine must not be reachable from it (see _weak_unit_call)
-        if isinstance(x, tuple):
-            if x[0] == "a":
-                return x[1].unpack(x[2])
-            _, u, off, shape, stride = x
-            return torch.as_strided(u.weights.slot.buffer, shape, stride, off)
-        return x
 
     # ------------------------------------------------------------------ optimizer
     def reset_host_seconds(self) -> dict[str, float]:
@@ -404,39 +241,36 @@ class OffloadEngine(EngineStateDict):
 
     def memory_report(self) -> dict[str, int]:
         """Bytes the engine holds on the compute device, by the categories of
-        cost_model.static_gpu_bytes (each storage counted once, under the first category that
-        names it: a master that is the compute copy counts as compute, an accumulator that is the
-        grad buffer as grads), plus "other" (the model's buffers, optimizer step counters) and
-        "total". Activations and a step's transients are not the engine's and not in here; the
-        moments appear after the first step (AdamW allocates them lazily)."""
-        rep = dict.fromkeys(MEMORY_CATEGORIES + ("other",), 0)
-        seen = set()
+        cost_model.static_gpu_bytes (memory.device_bytes says how each is counted)."""
+        return device_bytes(self.units, self.schedule, self.gradients, self.model, self.device)
+    # ------------------------------------------------------------------ checkpoint (state_dict.py)
+    def model_state_keys(self) -> list[str]:
+        """The names model_state_dict returns (no gathering)."""
+        return self.checkpoint.model_state_keys()
 
-        def add(cat, t):
-            if t is not None and t.device.type == self.device.type and t.untyped_storage().data_ptr() not in seen:
-                seen.add(t.untyped_storage().data_ptr())
-                rep[cat] += t.untyped_storage().nbytes()
+    def model_state_dict(self) -> dict[str, torch.Tensor]:
+        self.synchronize()
+        return self.checkpoint.model_state_dict()
 
-        for u in self.units:
-            if u.mode != "stream":
-                add("compute", u.weights.resident)
-                add("grads", u.grads.buffer)
-            add("grad_acc", u.grads.device_accumulator)  # host units accumulating on the GPU
-            add("shards", u.grads.shard)  # data parallelism: the reduce-scattered grad shard
-            if u.mode == "gpu" and not u.frozen:  # host units keep these on the host
-                o = u.optimizer
-                add("grad_acc", u.grads.accumulator)
-                add("master", o.master.data)
-                for k, v in o.adamw.state.get(o.master, {}).items():
-                    add("moments" if k in ("exp_avg", "exp_avg_sq") else "other", v)
-        for cat, bufs in (("slots", [x.buffer for x in self.schedule.slots]),
-                          ("grad_slots", [x.buffer for x in self.gradients.slots]),
-                          ("conversion", self.gradients.conversion),
-                          ("other", list(self.model.buffers()) + [self.gradients.gpu_sq])):
-            for b in bufs:
-                add(cat, b)
-        rep["total"] = sum(rep.values())
-        return rep
+    def load_model_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        self.synchronize()
+        self.checkpoint.load_model_state_dict(sd)
+
+    def optimizer_state_dict(self) -> dict:
+        self.synchronize()
+        return self.checkpoint.optimizer_state_dict()
+
+    def load_optimizer_state_dict(self, sd: dict) -> None:
+        self.synchronize()
+        self.checkpoint.load_optimizer_state_dict(sd)
+
+    def state_dict(self) -> dict:
+        return {"model": self.model_state_dict(), "optimizer": self.optimizer_state_dict()}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.load_model_state_dict(sd["model"])
+        if "optimizer" in sd:
+            self.load_optimizer_state_dict(sd["optimizer"])
 
     def describe(self) -> str:
         return self.description or repr(self.plan)
@@ -450,4 +284,4 @@ class OffloadEngine(EngineStateDict):
         for u in self.units:
             if u.activations is not None:
                 u.activations.close()
-        self._remove_hooks()
+        self.hooks.remove()

@@ -1,7 +1,7 @@
 """Checkpoint state of an OffloadEngine under the names of a non-offloaded run.
 
-A mixin of OffloadEngine: the model's master weights (a frozen unit's compute copy) under
-`model.state_dict()`'s names, the AdamW state (none for frozen units) flattened like
+EngineStateDict, owned by the engine: the model's master weights (a frozen unit's compute copy)
+under `model.state_dict()`'s names, the AdamW state (none for frozen units) flattened like
 torch.distributed.checkpoint's get_optimizer_state_dict. With data
 parallelism every rank returns full tensors (all-gathered unit by unit) and loads only the
 slices it owns, so checkpoints move freely between offloaded, plain and 1-GPU runs.
@@ -10,13 +10,27 @@ slices it owns, so checkpoints move freely between offloaded, plain and 1-GPU ru
 from __future__ import annotations
 
 import torch
+import torch.nn as nn
 
 from flame.errors import ConfigError
 from flame.offload.runtime.collectives import all_gather_flat
+from flame.offload.runtime.host_optimizer import HostOptimizer
+from flame.offload.runtime.schedule import WeightSchedule
+from flame.offload.runtime.streams import Streams
 from flame.offload.runtime.units import Unit
 
 
 class EngineStateDict:
+    def __init__(self, model: nn.Module, units: list[Unit], fqns: dict[int, list[str]], schedule: WeightSchedule,
+                 optimizer: HostOptimizer, streams: Streams, group, comm_device: torch.device):
+        """`fqns`: id(parameter) -> every name of it. The caller waits for the engine's pending
+        work (OffloadEngine.synchronize) before any method that reads or writes the state: this
+        object holds no reference to the engine, so the engine is freed, without a cycle for the
+        garbage collector, as soon as it is dropped."""
+        self.model, self.units, self.fqns = model, units, fqns
+        self.schedule, self.optimizer, self.streams = schedule, optimizer, streams
+        self.group, self.comm_device = group, comm_device
+
     def _full(self, u: Unit, shard: torch.Tensor) -> torch.Tensor:
         """The whole unit's flat values from every rank's shard (all-gathered: a collective all
         ranks must enter, a transient of the full unit on the comm device and a full copy on the
@@ -49,7 +63,6 @@ class EngineStateDict:
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         """Master weights under the names `model.state_dict()` uses (tied names included). With
         data parallelism every rank returns the full tensors (all-gathered unit by unit)."""
-        self.synchronize()
         out = {}
         for u in self.units:
             for fqn, p, v in u.views(self._full(u, u.values())):
@@ -63,7 +76,6 @@ class EngineStateDict:
 
     def load_model_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         """From full tensors (each rank copies the slices it owns)."""
-        self.synchronize()
         for u in self.units:
             for fqn, _ in u.params:
                 if fqn not in sd:
@@ -75,7 +87,6 @@ class EngineStateDict:
         """Flattened like torch.distributed.checkpoint's get_optimizer_state_dict:
         state.<fqn>.{step,exp_avg,exp_avg_sq} and param_groups.<fqn>.<option>. With data
         parallelism the moments are all-gathered: every rank returns the full tensors."""
-        self.synchronize()
         out = {}
         for u in self.units:
             if u.frozen:  # frozen parameters have no optimizer state (as in a plain run)
@@ -104,7 +115,6 @@ class EngineStateDict:
         return out
 
     def load_optimizer_state_dict(self, sd: dict) -> None:
-        self.synchronize()
         for u in self.units:
             if u.frozen:
                 continue
@@ -122,11 +132,3 @@ class EngineStateDict:
                 key = f"param_groups.{fqn0}.{k}"
                 if key in sd:
                     adamw.param_groups[0][k] = sd[key]
-
-    def state_dict(self) -> dict:
-        return {"model": self.model_state_dict(), "optimizer": self.optimizer_state_dict()}
-
-    def load_state_dict(self, sd: dict) -> None:
-        self.load_model_state_dict(sd["model"])
-        if "optimizer" in sd:
-            self.load_optimizer_state_dict(sd["optimizer"])
