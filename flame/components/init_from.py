@@ -29,12 +29,11 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torchtitan.tools.logging import logger
 
 from flame.errors import ConfigError
+from flame.lora.layer import clean_name, is_adapter_key
 
 OPTION = "model.init_from"
 _PICKLES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-# wrappers that show up in state-dict names: per-block compile and activation checkpointing
-_WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.")
 
 
 # -- the folder -----------------------------------------------------------------------------
@@ -117,22 +116,14 @@ def weight_files(folder: str) -> list[str]:
 
 
 # -- matching the model ---------------------------------------------------------------------
-def _canonical(name: str) -> str:
-    for prefix in _WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
-
-
 def model_tensors(model: nn.Module) -> list[tuple[list[str], torch.Tensor]]:
     """(every state-dict name, tensor) of each parameter and persistent buffer, tied ones once.
     LoRA adapters are left out: no base checkpoint has them, and they keep their initialization."""
-    from flame.lora import is_adapter_key
-
     by_id: dict[int, tuple[list[str], torch.Tensor]] = {}
     for name, t in model.state_dict(keep_vars=True).items():
         if is_adapter_key(name):
             continue
-        by_id.setdefault(id(t), ([], t))[0].append(_canonical(name))
+        by_id.setdefault(id(t), ([], t))[0].append(clean_name(name))
     return list(by_id.values())
 
 
@@ -207,10 +198,10 @@ class _ByModelName:
         self.key = {name: key for names, _, key in pairs for name in names}
 
     def __contains__(self, name) -> bool:
-        return _canonical(name) in self.key
+        return clean_name(name) in self.key
 
     def __getitem__(self, name) -> torch.Tensor:
-        return self.reader[self.key[_canonical(name)]]
+        return self.reader[self.key[clean_name(name)]]
 
 
 @torch.no_grad()
