@@ -416,18 +416,23 @@ def hf_to_dcp(hf_dir: str, checkpoint_dir: str, dtype: str | torch.dtype = 'floa
     return list(state)
 
 
-def resolve_job_config(dump: str) -> dict[str, Any]:
-    """What an export needs from ``<dump>/job_config.json`` (nested or dotted keys): ``config``
-    (model.config), ``tokenizer`` (model.tokenizer_path), ``vocab_multiple`` and ``module``
-    (model.module); {} if the file is absent."""
+def _read_job_config(dump: str) -> dict[str, Any]:
+    """``<dump>/job_config.json`` parsed; {} if the file is absent."""
     path = os.path.join(dump, 'job_config.json')
     if not os.path.isfile(path):
         return {}
     try:
         with open(path) as f:
-            data = json.load(f)
+            return json.load(f)
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path!r} is not valid JSON: {e}") from None
+
+
+def resolve_job_config(dump: str) -> dict[str, Any]:
+    """What an export needs from ``<dump>/job_config.json`` (nested or dotted keys): ``config``
+    (model.config), ``tokenizer`` (model.tokenizer_path), ``vocab_multiple`` and ``module``
+    (model.module); {} if the file is absent."""
+    data = _read_job_config(dump)
     model = data.get('model', {}) if isinstance(data.get('model'), dict) else {}
 
     def get(key):
@@ -443,14 +448,7 @@ def run_lora_config(dump: str):
     LoRA (rank > 0), else None."""
     from flame.lora.config import Lora
 
-    path = os.path.join(dump, 'job_config.json')
-    if not os.path.isfile(path):
-        return None
-    try:
-        with open(path) as f:
-            section = json.load(f).get('lora') or {}
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path!r} is not valid JSON: {e}") from None
+    section = _read_job_config(dump).get('lora') or {}
     lora = Lora(**{k: v for k, v in section.items() if k in Lora.__dataclass_fields__})
     return lora if lora.rank > 0 else None
 
