@@ -60,7 +60,7 @@ def write_peft_adapters(adapters: dict[str, torch.Tensor], lora, linear_names: l
     """
     from safetensors.torch import save_file
 
-    from flame.utils.hf_export import apply_umask
+    from flame.utils.hf_export import apply_umask, whole
 
     tensors, adapted = {}, []
     for w in adapted_weights(adapters):
@@ -68,8 +68,7 @@ def write_peft_adapters(adapters: dict[str, torch.Tensor], lora, linear_names: l
         adapted.append(path)
         a, b = adapter_keys(w)
         for key, part in ((a, "lora_A"), (b, "lora_B")):
-            t = adapters[key]
-            t = t.full_tensor() if hasattr(t, "full_tensor") else t
+            t = whole(adapters[key])
             tensors[f"base_model.model.{path}.{part}.weight"] = t.detach().to("cpu", dtype).contiguous()
     config = {
         "peft_type": "LORA",

@@ -232,6 +232,11 @@ def _umask_modes() -> tuple[int, int]:
     return 0o777 & ~mask, 0o666 & ~mask
 
 
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor from a live (sharded) model gathered whole; any other tensor as it is."""
+    return t.full_tensor() if hasattr(t, 'full_tensor') else t
+
+
 def apply_umask(folder: str) -> None:
     """mkdtemp makes 0700 folders and safetensors 0600 files: give them what the umask allows."""
     dir_mode, file_mode = _umask_modes()
@@ -332,12 +337,9 @@ def export_hf(model_state_dict_or_checkpoint_dir: dict[str, torch.Tensor] | str,
             part = _read_from_dcp(ckpt, names + extra, metadata) if from_dcp else {k: sd[k] for k in names + extra}
             tensors = {}
             for k in names:
-                t = part[k]
-                if hasattr(t, 'full_tensor'):  # a DTensor from a live (sharded) model
-                    t = t.full_tensor()
+                t = whole(part[k])
                 if k in adapted:  # W + alpha/rank * B @ A
-                    a, b = (part[x].full_tensor() if hasattr(part[x], 'full_tensor') else part[x]
-                            for x in adapter_keys(k))
+                    a, b = (whole(part[x]) for x in adapter_keys(k))
                     t = merge_weight(t, a, b, scale)
                 t = t.detach().to('cpu', dtype if t.is_floating_point() else t.dtype).contiguous()
                 tensors[plan.rename(k)] = t
