@@ -53,7 +53,7 @@ def main():
 
     def submit(fn):
         def job():
-            torch.set_num_threads(threads)  # as engine._cpu_step: the worker's own OpenMP pool
+            torch.set_num_threads(threads)  # as HostOptimizer._cpu_step: the worker's own OpenMP pool
             return fn()
         return pool.submit(job)
 

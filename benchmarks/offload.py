@@ -290,8 +290,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown shapes {unknown}")
     rows = all_rows(a.steps, shapes)
     names = [n for n in a.rows.split(",") if n]
-    if [n for n in names if n not in {r.name for r in rows}]:
-        ap.error(f"unknown rows {[n for n in names if n not in {r.name for r in rows}]}; --list shows them")
+    unknown = [n for n in names if n not in {r.name for r in rows}]
+    if unknown:
+        ap.error(f"unknown rows {unknown}; --list shows them")
     chosen = [r for r in rows if not names or r.name in names]
     if a.list:
         for r in chosen:

@@ -67,7 +67,7 @@ def llama(size: str):
     return c
 
 
-# host_seconds kinds of the CPU optimizer step (engine._cpu_step)
+# host_seconds kinds of the CPU optimizer step (HostOptimizer._cpu_step)
 OPTIMIZER_KINDS = ("grad_to_master_dtype", "cpu_adam", "new_compute_copy")
 LOSS_CHUNK = {"tokens": 0}  # --loss_chunk_tokens: every row computes its loss the same way
 

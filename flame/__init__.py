@@ -6,8 +6,8 @@ so exported checkpoints load with ``AutoModelForCausalLM.from_pretrained`` after
 It changes nothing else: flame's CPU implementations of FLA's Triton ops
 (``flame.models.cpu.enable_cpu_fallbacks``) and the Triton autotune limit
 (``FLAME_AUTOTUNE_MAX_CONFIGS``) are applied by the code paths that need them: the trainer's
-setup, ``flame.generate`` (``load`` and ``generate`` on CPU), the HF-to-DCP conversion and the
-offload planner's measurements. Plain ``transformers`` code that runs an FLA model on CPU calls
+setup, ``flame.generate`` (``load`` and ``generate`` on CPU) and the offload planner's
+measurements (the HF-to-DCP conversion installs only the flash-attn stand-ins it needs to build). Plain ``transformers`` code that runs an FLA model on CPU calls
 ``flame.models.cpu.enable_cpu_fallbacks(model)`` once.
 """
 

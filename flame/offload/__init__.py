@@ -293,16 +293,15 @@ def maybe_offload(model: nn.Module, parallel_dims, job_config, device: torch.dev
 def apply_offload(model, job_config, parallel_dims, device):
     """Plan and, when the plan offloads (or offload.enable=on), wrap `model` in an OffloadEngine.
 
-    `model` must be materialized (CPU or GPU) and initialized, with fp32/master values; the engine
-    moves every block to where the plan puts it. Returns (engine, calibrator or None), or None
-    when offload is off, or enable=auto and everything fits (the plain path then, no overhead)."""
+    Called by `maybe_offload` once `_wants_offload` said yes (offload.enable on, or auto). `model`
+    must be materialized (CPU or GPU) and initialized, with fp32/master values; the engine moves
+    every block to where the plan puts it. Returns (engine, calibrator or None), or None when
+    enable=auto and everything fits (the plain path then, no overhead)."""
     from flame.offload.runtime.engine import OffloadEngine
     from flame.offload.planner.solver import describe
 
     off: Offload = _get(job_config, "offload", None) or Offload()
     off.validate()
-    if off.enable == "off":
-        return None
     world = int(getattr(parallel_dims, "world_size", 1) or 1) if parallel_dims is not None else 1
     check_parallel_dims(parallel_dims)
     if any(p.device.type == "meta" for p in model.parameters()):

@@ -32,13 +32,18 @@ def _set_allocator_settings(settings: str) -> None:
     setter(settings)
 
 
+def _cuda_index(device: torch.device) -> int:
+    """The CUDA device's index (the current device when `device` names none)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def apply_gpu_cap(off: Offload, device: torch.device) -> GpuBudget | None:
     """Cap this process's use of `device` at `off.gpu_memory_gib` (offload on or auto, a cap
     given, a CUDA device); returns the split, or None when nothing was capped. Idempotent per
     device."""
     if device.type != "cuda" or off.enable == "off" or off.gpu_memory_gib <= 0:
         return None
-    index = torch.device(device).index if device.index is not None else torch.cuda.current_device()
+    index = _cuda_index(device)
     if index in _applied:
         return _applied[index]
     from flame.offload.measure.hardware import outside_allocator_bytes
@@ -60,4 +65,4 @@ def applied_gpu_cap(device) -> GpuBudget | None:
     device = torch.device(device)
     if device.type != "cuda":
         return None
-    return _applied.get(device.index if device.index is not None else torch.cuda.current_device())
+    return _applied.get(_cuda_index(device))

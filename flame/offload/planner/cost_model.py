@@ -147,7 +147,7 @@ def static_gpu_bytes(units: list[UnitCosts], modes: list[str], dt: Dtypes, depth
         for k, v in unit_gpu_categories(u, m, dt, a, world).items():
             out[k] += v
     streamed = [padded_numel(u.numel, world) for u, m in zip(units, modes) if m == "stream"]
-    if streamed:  # see OffloadEngine._build_buffers
+    if streamed:  # see WeightSchedule.build_slots and Gradients.build_slots (runtime)
         out["slots"] = (depth + 3) * max(streamed) * dt.c
         out["grad_slots"] = 2 * max(padded_numel(u.trainable_numel, world) for u, m in zip(units, modes)
                                     if m == "stream") * dt.c

@@ -1,6 +1,6 @@
 """The engine's optimizer: every unit's master weights and AdamW moments, the fused AdamW on the
-GPU (gpu units) or on the CPU worker (host units), clipping by the global grad norm and the
-skip of a non-finite step.
+GPU (gpu units) or on the CPU worker (host units) and clipping by the global grad norm (a
+non-finite norm is kept as it is: the engine's `optimizer_step` and the trainer skip that step).
 
 A host unit's CPU step starts once the step's grad norm is known and runs while the GPU goes on
 with the next forward: it writes the new compute copy into the unit's pinned host copy, and the

@@ -72,6 +72,12 @@ class WeightSchedule:
         if u.mode != "host_opt":
             return
         w.resident = torch.empty(u.padded_numel, dtype=self.dtype, device=self.device)
+        self._upload_resident_now(u)
+
+    def _upload_resident_now(self, u: Unit) -> None:
+        """host_opt: the GPU compute copy from the pinned host copy, synchronously (gathered
+        from every rank's shard when sharded)."""
+        w = u.weights
         self.s.copy(w.host, 0, u.shard_numel, w.resident[u.shard_start:], to_host=False, non_blocking=False)
         if u.sharded:
             all_gather_flat(w.resident, u.owned_slice(w.resident), self.group)
@@ -183,8 +189,6 @@ class WeightSchedule:
         if not same_tensor(w.host, master):
             w.host.copy_(master)
         if u.mode == "host_opt":
-            self.s.copy(w.host, 0, u.shard_numel, w.resident[u.shard_start:], to_host=False, non_blocking=False)
-            if u.sharded:
-                all_gather_flat(w.resident, u.owned_slice(w.resident), self.group)
+            self._upload_resident_now(u)
         else:
             self.drop_slot(u)
