@@ -125,7 +125,7 @@ def test_replace_and_error_policies(tmp_path, tok):
 
 
 RSS_SCRIPT = textwrap.dedent("""
-    import json, resource, sys
+    import json, sys
     import datasets
     import flame.data.documents  # this checkout's flame, not an installed one
     from flame_data_testlib import WORDS, build, take, tokenizer
@@ -134,16 +134,22 @@ RSS_SCRIPT = textwrap.dedent("""
     with open(path, "w") as f:  # a 3-document source, one document of 2 MB
         f.write(json.dumps({"text": words * (2_000_000 // len(words))}) + "\\n")
         f.write(json.dumps({"text": "a small one"}) + "\\n" + json.dumps({"text": "another"}) + "\\n")
+    def high_water_kib():
+        # this process's own peak (VmHWM): getrusage's ru_maxrss keeps the parent's peak across the
+        # exec that started us, so a large pytest worker made the first reading its own size
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+
     tok = tokenizer()
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    base = high_water_kib()
     for streaming in (False, True):
         take(build(tok, dataset=path, batch_size=8, seq_len=256, seed=1, streaming=streaming, extra={}), 12)
-    print(json.dumps([base, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss]))
+    print(json.dumps([base, high_water_kib()]))
 """)
 
 
 def test_long_document_in_a_tiny_source_keeps_loader_memory_bounded(tmp_path):
-    # maxrss of a fresh process (KiB): imports take ~0.5 GB; the loader may add little on top. Before
+    # peak resident memory of a fresh process (KiB): imports take ~0.5 GB; the loader may add little on top. Before
     # the fix a 1 MB document in a 3-document source took 1.4 GB (32 copies tokenized per fetch).
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests" / "data")])}
     r = subprocess.run([sys.executable, "-c", RSS_SCRIPT, str(tmp_path / "big.jsonl")],
