@@ -22,6 +22,7 @@ import concurrent.futures
 import datetime
 import json
 import os
+import queue
 import re
 import shutil
 import signal
@@ -262,7 +263,24 @@ def run_in_group(cmd: list[str], env: dict, log_path: str, cap_s: float, started
     return rc, time.perf_counter() - start, first
 
 
-def run_row(row: Row, runs: str, cap_s: float) -> dict:
+def gpu_slots(parallel: int) -> tuple[list, int]:
+    """One CUDA_VISIBLE_DEVICES value per concurrent row, and how many rows share a GPU: with at
+    least ``parallel`` GPUs every row has its own (tokens/s stay a speed measurement), with fewer
+    they are dealt round-robin. Every row sees one GPU, so ``train.sh`` runs it on one GPU whatever
+    the machine has; on CPU the slots are None."""
+    import torch
+
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        ids = [d for d in visible.split(",") if d.strip()]
+    else:
+        ids = [str(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    if not ids:
+        return [None] * parallel, parallel
+    return [ids[i % len(ids)] for i in range(parallel)], -(-parallel // len(ids))
+
+
+def run_row(row: Row, runs: str, cap_s: float, gpu: str | None = None) -> dict:
     dump = os.path.join(runs, row.name)
     shutil.rmtree(dump, ignore_errors=True)
     os.makedirs(dump)
@@ -278,6 +296,8 @@ def run_row(row: Row, runs: str, cap_s: float) -> dict:
     args += ["--job.dump_folder", dump]
     cmd = ["bash", os.path.join(ROOT, "train.sh"), *args]
     env = dict(os.environ, TORCH_LOGS="recompiles", PYTHON=sys.executable, PYTHONUNBUFFERED="1", **row.env)
+    if gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = gpu
     log_path = os.path.join(dump, "console.log")
     metrics = os.path.join(dump, "metrics.jsonl")
     rc, wall, first_step_s = run_in_group(cmd, env, log_path, cap_s, lambda: bool(records(metrics)))
@@ -424,7 +444,8 @@ def main() -> int:
     ap.add_argument("--budget_s", type=float, default=540, help="stop starting rows after this many seconds")
     ap.add_argument("--runs", default=os.environ.get("FLAME_RUNS", "/tmp/flame_acceptance"))
     ap.add_argument("--parallel", type=int, default=1,
-                    help="rows run at once on the GPU (for pass/fail and memory only; tokens/s then are shared)")
+                    help="rows run at once, each on its own GPU where the machine has enough (else they share "
+                         "GPUs: pass/fail and memory only, tokens/s then are shared)")
     ap.add_argument("--list", action="store_true")
     ap.add_argument("--markdown", metavar="JSON")
     a = ap.parse_args()
@@ -445,7 +466,9 @@ def main() -> int:
     unknown = [n for n in names if n not in known]
     if unknown:
         ap.error(f"unknown rows {unknown}; --list shows them")
-    chosen = [r for r in rows if r.name in names] if names else [r for r in rows if r.group in groups]
+    by_name = {r.name: r for r in rows}
+    # --rows run in the order given (e.g. a warm-cache row after the row that fills the cache)
+    chosen = [by_name[n] for n in dict.fromkeys(names)] if names else [r for r in rows if r.group in groups]
     doc = {"what": "flame acceptance: user command lines through train.sh", "device": device_info(),
            "versions": versions(), "commit": commit(), "steps": a.steps,
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "command": " ".join(sys.argv),
@@ -454,13 +477,23 @@ def main() -> int:
     t0 = time.perf_counter()
     lock = threading.Lock()
 
+    slots, sharing = gpu_slots(max(1, min(a.parallel, len(chosen))))
+    free = queue.Queue()
+    for slot in slots:
+        free.put(slot)
+
     def run_one(row: Row, shared: int) -> dict | None:
         left = a.budget_s - (time.perf_counter() - t0)
         if left < 60:
             return None
-        print(f"== {row.name}: {row.what}", flush=True)
-        res = run_row(row, a.runs, min(row.cap_s, left))
+        gpu = free.get()
+        try:
+            print(f"== {row.name} (GPU {gpu}): {row.what}", flush=True)
+            res = run_row(row, a.runs, min(row.cap_s, left), gpu)
+        finally:
+            free.put(gpu)
         res["rows_sharing_gpu"] = shared
+        res["gpu"] = gpu
         return res
 
     def record(row: Row, res: dict | None) -> None:
@@ -478,7 +511,7 @@ def main() -> int:
         # several rows share the GPU (their tokens/s are not a speed measurement); a row that fails
         # there runs again alone, so a failure in the table is the row's own
         with concurrent.futures.ThreadPoolExecutor(a.parallel) as pool:
-            done = list(zip(chosen, pool.map(lambda r: run_one(r, min(a.parallel, len(chosen))), chosen)))
+            done = list(zip(chosen, pool.map(lambda r: run_one(r, sharing), chosen)))
         for row, res in done:
             record(row, res)
         for row, res in done:

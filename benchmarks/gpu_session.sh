@@ -1,18 +1,35 @@
 #!/usr/bin/env bash
 # One device call: install the carried wheels, run the GPU tests and acceptance rows, copy results to $OUT.
-# usage: FLAME_COMMIT=<sha> bash benchmarks/gpu_session.sh TAG "PYTEST_ARGS" "ACCEPTANCE_ARGS"
+# usage: FLAME_COMMIT=<sha> [TEST_GPUS=2,3 ACCEPT_GPUS=0,1] bash benchmarks/gpu_session.sh TAG "PYTEST_ARGS" "ACCEPTANCE_ARGS"
 #   FLAME_COMMIT: the commit of the tree sent (the device copy's .git can be stale), recorded in the JSON
 #   TAG names the result files; an empty PYTEST_ARGS or ACCEPTANCE_ARGS skips that part.
+#   TEST_GPUS / ACCEPT_GPUS: on a machine of several GPUs, the tests run on TEST_GPUS while the
+#   acceptance rows run on ACCEPT_GPUS at the same time (each row on its own GPU with --parallel).
+#   Wheels: .whl, and .whl-tl / .whl-z3 (tilelang, carried in two calls) where present.
 set -uo pipefail
 tag=$1; tests=${2:-}; accept=${3:-}
 out=${OUT:-/tmp/out}; mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+wheels=$(ls .whl/*.whl .whl-tl/*.whl .whl-z3/*.whl 2>/dev/null)
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $wheels || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-if [ -n "$tests" ]; then
+run_tests() {
   # one process (the carried wheels have no pytest-xdist, and GPU tests should not share the card)
-  timeout 300 python3 -m pytest -q -x -p no:cacheprovider -o "addopts=-m 'not slow'" $tests 2>&1 | tail -40 | tee "$out/gpu_tests_$tag.txt"
+  timeout 540 python3 -m pytest -q -x -p no:cacheprovider -o "addopts=-m 'not slow'" $tests > "$out/gpu_tests_$tag.txt" 2>&1
+  tail -40 "$out/gpu_tests_$tag.txt"
+}
+test_pid=
+if [ -n "$tests" ]; then
+  if [ -n "${TEST_GPUS:-}" ]; then
+    CUDA_VISIBLE_DEVICES=$TEST_GPUS run_tests &
+    test_pid=$!
+  else
+    run_tests
+  fi
 fi
 if [ -n "$accept" ]; then
-  python3 benchmarks/acceptance.py "$out/acceptance_$tag.json" $accept 2>&1 | grep -v "^WARNING" | tail -60
+  ( [ -n "${ACCEPT_GPUS:-}" ] && export CUDA_VISIBLE_DEVICES=$ACCEPT_GPUS
+    python3 benchmarks/acceptance.py "$out/acceptance_$tag.json" $accept 2>&1 | grep -v "^WARNING" | tail -80 )
 fi
+[ -n "$test_pid" ] && wait $test_pid
+true

@@ -95,3 +95,13 @@ def test_the_muon_pair_is_drawn_next_to_the_result(tmp_path):
     assert os.path.getsize(written[0]) > 0
     # a pair with a dump missing draws nothing
     assert acceptance.plot_pairs(rows, results[1:], str(tmp_path / "other.json")) == []
+
+
+def test_gpu_slots_give_each_row_its_own_gpu_when_there_are_enough(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3,5,7")
+    assert acceptance.gpu_slots(4) == (["2", "3", "5", "7"], 1)
+    assert acceptance.gpu_slots(2) == (["2", "3"], 1)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4")
+    assert acceptance.gpu_slots(3) == (["4", "4", "4"], 3)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert acceptance.gpu_slots(2) == ([None, None], 2)
