@@ -76,7 +76,7 @@ def test_offloaded_matches_plain_and_respects_budget():
     b = data(20)
     costs = measure_costs(meta_model(cfg()), B, T)
     full = solve(costs, rates(), Dtypes(), 80 * GiB, 64 * GiB, B, 1, 8)
-    budget = int(0.45 * full.predicted["peak_gpu_bytes"])
+    budget = int(0.6 * full.predicted["peak_gpu_bytes"])
     plan = solve(costs, rates(), Dtypes(), budget, 64 * GiB, B, 1, 8)
     assert plan.offloads
     torch.cuda.reset_peak_memory_stats()
@@ -243,7 +243,8 @@ def test_offloaded_activations_at_8b_block_shapes_match_kept():
 
 def test_lora_on_an_offloaded_base_matches_plain_and_respects_budget():
     """LoRA (rank 8 on every projection) with the frozen base streamed/placed by a plan solved at
-    45% of the resident peak: the plain LoRA run's losses (bf16 autocast) for 20 steps, the base
+    60% of the resident peak (a frozen base's blocks cost little to keep, so the least plan that
+    streams every block needs about 55%): the plain LoRA run's losses (bf16 autocast) for 20 steps, the base
     unchanged, the peak within the budget."""
     from flame.lora import Lora, apply_lora, is_adapter_key
     from flame.lora.layer import init_adapters
@@ -265,7 +266,7 @@ def test_lora_on_an_offloaded_base_matches_plain_and_respects_budget():
     apply_lora(meta, lora)
     costs = adapters_with_outer(measure_costs(meta, B, T))
     full = solve(costs, rates(), Dtypes(), 80 * GiB, 64 * GiB, B, 1, 8)
-    budget = int(0.45 * full.predicted["peak_gpu_bytes"])
+    budget = int(0.6 * full.predicted["peak_gpu_bytes"])
     plan = solve(costs, rates(), Dtypes(), budget, 64 * GiB, B, 1, 8)
     assert plan.offloads and "stream" in plan.layer_modes
     eng = OffloadEngine(mod, plan, torch.device("cuda"), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
