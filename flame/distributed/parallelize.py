@@ -15,6 +15,7 @@ from torchtitan.tools.logging import logger
 
 from flame.errors import ConfigError
 from flame.models.blocks import find_block_list
+from flame.models.fla_compile import prepare_fla_for_compile
 
 # Matmul outputs saved by op-level selective AC (the rest is recomputed).
 _OP_SAC_SAVE = {
@@ -104,6 +105,7 @@ def apply_ac(model: nn.Module, ac_config) -> None:
 
 def apply_compile(model: nn.Module, compile_config) -> None:
     """Compile each block on its own: small graphs, reused across identical blocks."""
+    prepare_fla_for_compile(model)
     _, _, blocks = find_block_list(model)
     for i in range(len(blocks)):
         blocks[i] = torch.compile(blocks[i], backend=compile_config.backend)

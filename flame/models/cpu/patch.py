@@ -69,7 +69,7 @@ def _fla_modules():
             if m is not None and (name == 'fla' or name.startswith('fla.'))]
 
 
-def _rebind_everywhere(replace: Callable) -> int:
+def rebind_everywhere(replace: Callable) -> int:
     """Every binding in loaded ``fla.*`` modules and their dict registries (upper-case names such as
     ``ACT2FN``) whose value ``replace`` maps to another object is rebound to it. Returns the count."""
     count = 0
@@ -120,7 +120,7 @@ def patch_functions_everywhere(patches, model=None) -> dict:
         counts[names[id(v)]] = counts.get(names[id(v)], 0) + 1
         return hit[1]
 
-    _rebind_everywhere(replace)
+    rebind_everywhere(replace)
     if model is not None:
         _rebind_instances(model, replace)
     return counts
@@ -138,7 +138,7 @@ def _rebind_instances(model, replace: Callable) -> None:
 
 def unpatch_everywhere() -> int:
     """Every dispatcher in loaded ``fla.*`` modules and registries back to its original."""
-    return _rebind_everywhere(lambda v: getattr(v, MARK) if hasattr(v, MARK) else v)
+    return rebind_everywhere(lambda v: getattr(v, MARK) if hasattr(v, MARK) else v)
 
 
 def patch_method(cls: type, name: str, cpu_impl: Callable) -> None:
