@@ -99,14 +99,15 @@ def orthogonalized(updates: list[torch.Tensor], group: dict) -> list[torch.Tenso
 
 def _buckets(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     """The parameters with a gradient, by (sharded, shape, dtype, device), each bucket cut into
-    pieces of at most ``BATCH_ELEMENTS`` elements (one matrix at least)."""
+    the fewest even pieces of at most ``BATCH_ELEMENTS`` elements (one matrix at least)."""
     by_key: dict[tuple, list[torch.Tensor]] = {}
     for p in params:
         if p.grad is not None:
             by_key.setdefault((isinstance(p, DTensor), tuple(p.shape), p.dtype, p.device), []).append(p)
     out = []
     for bucket in by_key.values():
-        size = max(1, BATCH_ELEMENTS // bucket[0].numel())
+        most = max(1, BATCH_ELEMENTS // bucket[0].numel())
+        size = -(-len(bucket) // -(-len(bucket) // most))  # ceil(n / ceil(n / most)) <= most
         out += [bucket[i:i + size] for i in range(0, len(bucket), size)]
     return out
 

@@ -155,6 +155,8 @@ def test_batched_step_is_torch_muon_per_matrix(batch_elements, monkeypatch):
         # the same products in the same order on CPU: the very same numbers
         assert torch.equal(params[n], twin[n]), n
         assert torch.equal(inner.state[params[n]]["momentum_buffer"], torch_opt.state[twin[n]]["momentum_buffer"]), n
+    pieces = [len(b) for b in muon._buckets([params[n] for n in hidden])]
+    assert pieces == ([3, 2, 2] if batch_elements is None else [2, 1, 1, 1, 1, 1])
 
 
 @pytest.mark.parametrize("mode", ["fsdp", pytest.param("tp", marks=pytest.mark.slow)])
