@@ -14,11 +14,12 @@ AdamW update, so AdamW's learning rate and weight decay carry over; ``original``
 ``sqrt(max(1, A / B))`` and wants a larger rate (0.02 in the Muon write-up).
 
 The step is batched: matrices of one shape, dtype and device are orthogonalized together (one
-batched Newton-Schulz, a few kernels for the whole stack instead of ~15 per matrix) and the
+batched Newton-Schulz, a few kernels for the whole stack instead of ~20 per matrix) and the
 momentum, weight decay and update run as ``torch._foreach_*`` ops over each such bucket. A
-transformer holds a few hundred hidden matrices of three or four shapes, so the per-matrix kernel
-launches, not the arithmetic, were most of Muon's cost on a GPU. The numbers are those of the
-per-matrix loop (batched matmuls do the same products).
+transformer holds a few hundred hidden matrices of three or four shapes, so a step launches a few
+hundred kernels instead of thousands, and each batched matmul is large enough to fill a GPU. Formula and precision are those
+of ``torch.optim.Muon`` matrix by matrix (on CPU the very same numbers; a GPU's batched matmuls may
+round in another order).
 
 Which parameters are "hidden matrices": 2-D parameters other than the input embeddings and the
 output head. Norm scales, biases, convolution kernels (3-D), embeddings and the head go to AdamW.
@@ -66,7 +67,7 @@ BATCH_ELEMENTS = 1 << 26
 def newton_schulz_batched(updates: torch.Tensor, coefficients: tuple[float, float, float], steps: int,
                           eps: float) -> torch.Tensor:
     """torch's ``_zeropower_via_newtonschulz`` applied to each matrix of a ``(batch, rows, cols)``
-    stack at once, in bfloat16: every matrix divided by its own Frobenius norm (transposed while
+    stack at once, in bfloat16: every matrix divided by its own Frobenius norm (transposed when
     rows > cols), then ``X <- a X + (b A + c A A) X`` with ``A = X X^T``."""
     a, b, c = coefficients
     x = updates.bfloat16()
