@@ -13,6 +13,14 @@ rate by ``0.2 sqrt(max(A, B))`` for an ``A x B`` matrix, which gives the update 
 AdamW update, so AdamW's learning rate and weight decay carry over; ``original`` scales it by
 ``sqrt(max(1, A / B))`` and wants a larger rate (0.02 in the Muon write-up).
 
+The step is batched: matrices of one shape, dtype and device are orthogonalized together (one
+batched Newton-Schulz, a few kernels for the whole stack instead of ~20 per matrix) and the
+momentum, weight decay and update run as ``torch._foreach_*`` ops over each such bucket. A
+transformer holds a few hundred hidden matrices of three or four shapes, so a step launches a few
+hundred kernels instead of thousands, and each batched matmul is large enough to fill a GPU. Formula and precision are those
+of ``torch.optim.Muon`` matrix by matrix (on CPU the very same numbers; a GPU's batched matmuls may
+round in another order).
+
 Which parameters are "hidden matrices": 2-D parameters other than the input embeddings and the
 output head. Norm scales, biases, convolution kernels (3-D), embeddings and the head go to AdamW.
 """
@@ -41,25 +49,68 @@ def hidden_matrices(model: nn.Module) -> set[int]:
 
 
 def _torch_muon():
-    """torch's Muon class and its two formula functions (torch >= 2.9), or a one-line error."""
+    """torch's Muon class and its learning-rate rule (torch >= 2.9), or a one-line error."""
     try:
-        from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
-        return torch.optim.Muon, _zeropower_via_newtonschulz, _adjust_lr
+        from torch.optim._muon import _adjust_lr
+        return torch.optim.Muon, _adjust_lr
     except (AttributeError, ImportError):
         raise ConfigError(f"optimizer.name Muon needs torch.optim.Muon (torch >= 2.9); this torch is "
                           f"{torch.__version__}") from None
 
 
-def orthogonalized(update: torch.Tensor, group: dict) -> torch.Tensor:
-    """Newton-Schulz of the whole matrix; a DTensor is gathered first and this rank's slice of the
-    result is returned with the update's layout (``Replicate -> Shard`` redistribution only slices)."""
-    _, newton_schulz, _ = _torch_muon()
-    if not isinstance(update, DTensor):
-        return newton_schulz(update, group["ns_coefficients"], group["ns_steps"], group["eps"])
-    full = newton_schulz(update.full_tensor(), group["ns_coefficients"], group["ns_steps"], group["eps"])
-    mesh = update.device_mesh
-    whole = DTensor.from_local(full, mesh, [Replicate()] * mesh.ndim, run_check=False)
-    return whole.redistribute(mesh, update.placements)
+# the most elements one batched Newton-Schulz stacks: a bucket of many large (or, for a sharded
+# parameter, gathered) matrices is split, so the step's extra memory stays bounded by a few
+# copies of this, whatever the model's size
+BATCH_ELEMENTS = 1 << 26
+
+
+def newton_schulz_batched(updates: torch.Tensor, coefficients: tuple[float, float, float], steps: int,
+                          eps: float) -> torch.Tensor:
+    """torch's ``_zeropower_via_newtonschulz`` applied to each matrix of a ``(batch, rows, cols)``
+    stack at once, in bfloat16: every matrix divided by its own Frobenius norm (transposed when
+    rows > cols), then ``X <- a X + (b A + c A A) X`` with ``A = X X^T``."""
+    a, b, c = coefficients
+    x = updates.bfloat16()
+    tall = x.size(-2) > x.size(-1)
+    if tall:
+        x = x.mT
+    x = x / torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True).clamp(min=eps)
+    for _ in range(steps):
+        gram = x @ x.mT
+        x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.mT if tall else x
+
+
+def orthogonalized(updates: list[torch.Tensor], group: dict) -> list[torch.Tensor]:
+    """Newton-Schulz of whole matrices of one shape and dtype, batched, returned in that dtype; a
+    DTensor is gathered first and this rank's slice of the result is returned with the update's
+    layout (``Replicate -> Shard`` redistribution only slices)."""
+    sharded = isinstance(updates[0], DTensor)
+    stack = torch.stack([u.full_tensor() for u in updates] if sharded else updates)
+    whole = newton_schulz_batched(stack, group["ns_coefficients"], group["ns_steps"], group["eps"]).to(stack.dtype)
+    if not sharded:
+        return list(whole.unbind(0))
+    out = []
+    for u, full in zip(updates, whole.unbind(0)):
+        mesh = u.device_mesh
+        rep = DTensor.from_local(full, mesh, [Replicate()] * mesh.ndim, run_check=False)
+        out.append(rep.redistribute(mesh, u.placements))
+    return out
+
+
+def _buckets(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """The parameters with a gradient, by (sharded, shape, dtype, device), each bucket cut into
+    the fewest even pieces of at most ``BATCH_ELEMENTS`` elements (one matrix at least)."""
+    by_key: dict[tuple, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            by_key.setdefault((isinstance(p, DTensor), tuple(p.shape), p.dtype, p.device), []).append(p)
+    out = []
+    for bucket in by_key.values():
+        most = max(1, BATCH_ELEMENTS // bucket[0].numel())
+        size = -(-len(bucket) // -(-len(bucket) // most))  # ceil(n / ceil(n / most)) <= most
+        out += [bucket[i:i + size] for i in range(0, len(bucket), size)]
+    return out
 
 
 def _closure_loss(closure):
@@ -72,7 +123,7 @@ def _closure_loss(closure):
 
 @functools.cache
 def _sharded_muon_class():
-    base, _, adjust_lr = _torch_muon()
+    base, adjust_lr = _torch_muon()
 
     class ShardedMuon(base):
         """torch.optim.Muon (same options, state and formula) whose orthogonalization sees whole
@@ -83,18 +134,18 @@ def _sharded_muon_class():
             loss = _closure_loss(closure)
             for group in self.param_groups:
                 lr, wd, mu = float(group["lr"]), group["weight_decay"], group["momentum"]
-                for p in group["params"]:
-                    if p.grad is None:
-                        continue
-                    g, state = p.grad, self.state[p]
-                    if "momentum_buffer" not in state:  # torch's name: checkpoints interchange
-                        state["momentum_buffer"] = torch.zeros_like(g)
-                    buf = state["momentum_buffer"]
-                    buf.lerp_(g, 1 - mu)
-                    update = g.lerp(buf, mu) if group["nesterov"] else buf
-                    ortho = orthogonalized(update, group)
-                    p.mul_(1 - lr * wd)
-                    p.add_(ortho, alpha=-adjust_lr(lr, group["adjust_lr_fn"], p.shape))
+                for params in _buckets(group["params"]):
+                    grads = [p.grad for p in params]
+                    for p, g in zip(params, grads):
+                        if "momentum_buffer" not in self.state[p]:  # torch's name: checkpoints interchange
+                            self.state[p]["momentum_buffer"] = torch.zeros_like(g)
+                    bufs = [self.state[p]["momentum_buffer"] for p in params]
+                    torch._foreach_lerp_(bufs, grads, 1 - mu)
+                    updates = torch._foreach_lerp(grads, bufs, mu) if group["nesterov"] else bufs
+                    orthos = orthogonalized(updates, group)
+                    if wd != 0:
+                        torch._foreach_mul_(params, 1 - lr * wd)
+                    torch._foreach_add_(params, orthos, alpha=-adjust_lr(lr, group["adjust_lr_fn"], params[0].shape))
             return loss
 
     return ShardedMuon

@@ -100,6 +100,65 @@ def test_update_is_the_formula_and_torch_muon(adjust):
         assert torch.equal(params[n], twin[n]), n
 
 
+@pytest.mark.parametrize("shape", [(24, 8), (8, 24), (16, 16), (40, 96)])
+def test_batched_newton_schulz_is_torch_per_matrix(shape):
+    from flame.components.muon import newton_schulz_batched
+
+    torch.manual_seed(0)
+    # scales far apart: each matrix must be normalized by its own norm, not the stack's
+    stack = torch.stack([torch.randn(shape) * 10.0 ** k for k in (-3, 0, 3)])
+    out = newton_schulz_batched(stack, NS, 5, 1e-7).double()
+    for m, got in zip(stack, out):
+        want = _torch_ns(m)
+        # the same bfloat16 products in another order at most: one bfloat16 rounding (2^-8) apart
+        assert ((got - want).norm() / want.norm()).item() <= 2 ** -8, shape
+        # and the bfloat16 iteration's own distance from the float64 one (1.4e-2 measured above)
+        ref = ns_float64(m)
+        assert ((got - ref).norm() / ref.norm()).item() < 3e-2, shape
+
+
+class Stack(nn.Module):
+    """Hidden matrices of a few shared shapes (square, tall, wide), as a transformer's layers have."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, 16)
+        self.square = nn.ModuleList(nn.Linear(16, 16, bias=False) for _ in range(3))
+        self.up = nn.ModuleList(nn.Linear(16, 40) for _ in range(2))  # 40 x 16 (tall) and a bias
+        self.down = nn.ModuleList(nn.Linear(40, 16, bias=False) for _ in range(2))  # 16 x 40 (wide)
+
+
+@pytest.mark.parametrize("batch_elements", [None, 700])  # 700: buckets cut into pieces of 1-2 matrices
+def test_batched_step_is_torch_muon_per_matrix(batch_elements, monkeypatch):
+    from flame.components import muon
+    from flame.components.optimizer import build_optimizers
+
+    if batch_elements:
+        monkeypatch.setattr(muon, "BATCH_ELEMENTS", batch_elements)
+    torch.manual_seed(0)
+    model = Stack()
+    opt = build_optimizers([model], _config(), torch.device("cpu"))
+    hidden = [n for n, p in model.named_parameters() if id(p) in muon.hidden_matrices(model)]
+    assert len(hidden) == 7
+    twin = {n: p.detach().clone().requires_grad_() for n, p in model.named_parameters()}
+    # torch.optim.Muon updates one matrix at a time (the per-matrix loop flame ran before)
+    torch_opt = torch.optim.Muon([twin[n] for n in hidden], lr=0.02, weight_decay=0.1, momentum=0.9,
+                                 adjust_lr_fn="match_rms_adamw")
+    for _ in range(3):
+        for n, p in model.named_parameters():
+            p.grad = torch.randn(p.shape)
+            twin[n].grad = p.grad.clone()
+        opt.step()
+        torch_opt.step()
+    params, inner = dict(model.named_parameters()), opt.optimizers[0]
+    for n in hidden:
+        # the same products in the same order on CPU: the very same numbers
+        assert torch.equal(params[n], twin[n]), n
+        assert torch.equal(inner.state[params[n]]["momentum_buffer"], torch_opt.state[twin[n]]["momentum_buffer"]), n
+    pieces = [len(b) for b in muon._buckets([params[n] for n in hidden])]
+    assert pieces == ([3, 2, 2] if batch_elements is None else [2, 1, 1, 1, 1, 1])
+
+
 @pytest.mark.parametrize("mode", ["fsdp", pytest.param("tp", marks=pytest.mark.slow)])
 def test_sharded_update_equals_one_device(mode):
     proc = torchrun(2, [os.path.join(ROOT, "tests/trainer/scripts/muon_parity.py"), mode, TINY_LLAMA], timeout=240)
