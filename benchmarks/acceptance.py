@@ -117,10 +117,15 @@ CONFIGS_UP_TO_1B = [
     "gated_deltanet_1B", "gsa_1B", "mamba_1B", "mamba2_1B", "samba_1B", "softpick_transformer_1B",
     "vanilla_transformer_1B",
 ]
+# Mamba mixers run FLA's pure-torch path when mamba_ssm and causal_conv1d are not installed (they are
+# not on the GPU image): it materializes (batch, channels, time, state) tensors per layer, and
+# Mamba's steps through time in a Python loop (compiling it unrolls the loop), so these rows
+# run 2 x 2048 with full AC, and Mamba and Samba without compile
+TORCH_PATH_FAMILIES = ("mamba", "mamba2", "samba")
 CONFIGS_7B = ["transformer_7B", "softpick_transformer_7B", "vanilla_transformer_7B", "gla_7B"]
 
 
-def all_rows(steps: int) -> list[Row]:
+def all_rows(steps: int, muon_steps: int = None) -> list[Row]:
     rows = [Row("smoke_tiny", "smoke", "configs/debug/transformer_tiny.json, 8 x 256 (checks the harness; runs on CPU)",
                 config_run(_cfg("debug/transformer_tiny"), steps, 8, 256, ("--training.no-compile",
                                                                          "--training.mixed_precision_param", "float32")),
@@ -141,17 +146,27 @@ def all_rows(steps: int) -> list[Row]:
                     softpick_paper(_cfg("softpick_transformer_340M"), steps, compile_=False), steps, 300))
     for impl in ATTN_IMPLS:
         for comp in (True, False):
-            args = config_run(_cfg("softpick_transformer_340M"), steps, 4, 4096)
+            # the naive reference keeps (batch, heads, T, T) float32 scores per layer: full AC holds one layer's
+            ac = ("--activation_checkpoint.mode", "full") if impl == "naive" else ()
+            args = config_run(_cfg("softpick_transformer_340M"), steps, 4, 4096, ac)
             if not comp:
                 args.remove("--training.compile")
             rows.append(Row(f"attn_{impl}{'' if comp else '_eager'}", "attn",
-                            f"340M transformer, attn_impl {impl}, 4 x 4096, {'compile' if comp else 'eager'}",
-                            args, steps, 240, config_edit={"attn_impl": impl}))
+                            f"340M transformer, attn_impl {impl}, 4 x 4096{', full AC' if ac else ''}, "
+                            f"{'compile' if comp else 'eager'}", args, steps, 240, config_edit={"attn_impl": impl}))
     for name in CONFIGS_UP_TO_1B:
         big = name.endswith("1B")
-        extra = ("--activation_checkpoint.mode", "full") if big else ()
-        rows.append(Row(f"config_{name}", "configs", f"{name}, {'4' if big else '8'} x 2048, compile",
-                        config_run(_cfg(name), steps, 4 if big else 8, 2048, extra), steps, 300))
+        torch_path = name.split("_")[0] in TORCH_PATH_FAMILIES
+        batch = 2 if torch_path else 4 if big else 8
+        extra = ("--activation_checkpoint.mode", "full") if big or torch_path else ()
+        compile_ = not name.startswith(("mamba_", "samba_"))
+        args = config_run(_cfg(name), steps, batch, 2048, extra)
+        if not compile_:
+            args.remove("--training.compile")
+        what = f"{name}, {batch} x 2048{', full AC' if extra else ''}, {'compile' if compile_ else 'eager'}"
+        if torch_path:
+            what += " (FLA's torch path: mamba_ssm/causal_conv1d absent)"
+        rows.append(Row(f"config_{name}", "configs", what, args, steps, 300))
     # SFT against pretraining at the same model and batch shape (tokens/s over all positions, and trained ones)
     sft_data = ",".join(os.path.join(SFT_SAMPLE, f"{n}.jsonl") for n in ("chat", "alpaca", "sharegpt"))
     varlen = ("--activation_checkpoint.mode", "full", "--training.varlen", "--training.context_len", "2048")
@@ -162,7 +177,7 @@ def all_rows(steps: int) -> list[Row]:
                     "bundled sample", config_run(_cfg("transformer_1B"), steps, 4, 2048,
                                                  (*varlen, "--training.sft", "--training.dataset", sft_data)),
                     steps, 300, reference="sft_pretrain_transformer_1B", target_ratio=0.9))
-    rows += lora_rows(steps) + muon_rows()
+    rows += lora_rows(steps) + muon_rows(muon_steps or MUON_STEPS)
     for name in CONFIGS_7B:
         rows.append(Row(f"config_{name}_offload", "offload", f"{name}, 2 x 2048, --offload.enable auto",
                         config_run(_cfg(name), steps, 2, 2048, ("--offload.enable", "auto",
@@ -204,14 +219,14 @@ def lora_rows(steps: int) -> list[Row]:
 MUON_STEPS = 300
 
 
-def muon_rows() -> list[Row]:
+def muon_rows(n_steps: int = MUON_STEPS) -> list[Row]:
     def run(name: str) -> list[str]:
-        return config_run(_cfg("transformer_340M"), MUON_STEPS, 8, 4096, ("--optimizer.name", name))
+        return config_run(_cfg("transformer_340M"), n_steps, 8, 4096, ("--optimizer.name", name))
 
-    adamw = Row("muon_adamw_340M", "muon", f"transformer_340M, 8 x 4096, compile, {MUON_STEPS} steps: AdamW "
-                "(reference for the Muon row)", run("AdamW"), MUON_STEPS, 240)
+    adamw = Row("muon_adamw_340M", "muon", f"transformer_340M, 8 x 4096, compile, {n_steps} steps: AdamW "
+                "(reference for the Muon row)", run("AdamW"), n_steps, 240)
     muon = Row("muon_340M", "muon", "the same run with --optimizer.name Muon (equal tokens)", run("Muon"),
-               MUON_STEPS, 240, reference=adamw.name, target_ratio=0.9, plot_with=adamw.name)
+               n_steps, 240, reference=adamw.name, target_ratio=0.9, plot_with=adamw.name)
     return [adamw, muon]
 
 
@@ -440,7 +455,9 @@ def main() -> int:
     ap.add_argument("--rows", default="", help="comma list of row names (default: all of --groups)")
     ap.add_argument("--groups", default="readme,paper",
                     help="comma list: smoke, readme, paper, attn, configs, sft, lora, muon, offload")
-    ap.add_argument("--steps", type=int, default=20, help=f"steps a row (the muon rows run {MUON_STEPS}: loss curves)")
+    ap.add_argument("--steps", type=int, default=20, help="steps a row (not the muon rows: --muon_steps)")
+    ap.add_argument("--muon_steps", type=int, default=MUON_STEPS,
+                    help="steps of the two muon rows (loss curves over a few hundred steps; fewer for a speed check)")
     ap.add_argument("--budget_s", type=float, default=540, help="stop starting rows after this many seconds")
     ap.add_argument("--runs", default=os.environ.get("FLAME_RUNS", "/tmp/flame_acceptance"))
     ap.add_argument("--parallel", type=int, default=1,
@@ -453,7 +470,7 @@ def main() -> int:
         with open(a.markdown) as f:
             print(markdown(json.load(f)))
         return 0
-    rows = all_rows(a.steps)
+    rows = all_rows(a.steps, a.muon_steps)
     if a.list:
         for r in rows:
             print(f"{r.group:<8} {r.name:<40} {r.what}")
