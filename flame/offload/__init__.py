@@ -75,7 +75,10 @@ def build_plan(model, job_config, device, world: int = 1, threads_from_profile: 
         d = cfg.hidden_size
         ffn = getattr(cfg, "intermediate_size", None) or 4 * d
         shapes = [(t, d, d), (t, ffn, d), (t, d, ffn), (t, cfg.vocab_size, d)]
-        prof = measure(shapes)
+        from flame.offload.gpu_cap import applied_gpu_cap
+
+        cap = applied_gpu_cap(device)
+        prof = measure(shapes, max_bytes=cap.allocator_bytes if cap is not None and cap.allocator_bytes else None)
         if _rank() == 0:
             save(prof, path)  # one writer: every rank measures, rank 0 caches
         logger.info("offload: hardware profile measured and cached at %s", path)

@@ -66,3 +66,22 @@ def test_profiles_stored_before_the_context_was_measured_still_load():
     old = dataclasses.asdict(prof())
     del old["cuda_context_bytes"]
     assert from_dict(old).cuda_context_bytes == 0
+
+
+def test_profile_measurement_buffers_fit_the_allocator_cap():
+    """The hardware profile measured under a GPU cap sizes its buffers from the allocator's cap:
+    two copy buffers of an eighth each, matmul operands and result within half."""
+    from flame.offload.measure.hardware import fitting_gemm, transfer_bytes
+
+    MiB = 1 << 20
+    assert transfer_bytes(80 * GiB) == GiB
+    assert transfer_bytes(2 * GiB) == 256 * MiB
+    assert transfer_bytes(int(2.03 * GiB)) % MiB == 0 and 2 * transfer_bytes(int(2.03 * GiB)) <= int(2.03 * GiB) // 4
+    assert transfer_bytes(10 * MiB) == 16 * MiB
+    room = 4 * GiB
+    m, n, k = fitting_gemm(8192, 128256, 4096, room)
+    assert (n, k) == (128256, 4096) and 2 * (m * k + k * n + m * n) <= room // 2 and m >= 256
+    room = 2 * GiB  # the head's weight alone is over half: fewer columns too
+    m, n, k = fitting_gemm(8192, 128256, 4096, room)
+    assert m == 256 and k == 4096 and 2 * (m * k + k * n + m * n) <= room // 2
+    assert fitting_gemm(2048, 1024, 1024, room) == (2048, 1024, 1024)  # fits: unchanged

@@ -45,8 +45,13 @@ def test_peak_reserved_plus_context_stays_within_the_cap(tmp_path):
     env.update(PYTHONPATH=PYTHONPATH, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     # the job counts every byte on the GPU outside its own allocator against its cap, this pytest
-    # process's cached blocks from earlier GPU tests included
-    torch.cuda.empty_cache()
+    # process's CUDA context and cached blocks from earlier GPU tests included: those bytes are
+    # not the job's, and the job's own use is the cap's subject
+    others = 0
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(0)
+        others = total - free
     proc = subprocess.run([sys.executable, "-c", TRAIN, json.dumps(args)], capture_output=True, text=True,
                           timeout=900, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
@@ -55,10 +60,11 @@ def test_peak_reserved_plus_context_stays_within_the_cap(tmp_path):
     assert result["offloaded"] and len(records) == 6
     peak_reserved = max(r["memory_peak_gib"] for r in records) * GiB
     peak_allocated = max(r["memory_active_gib"] for r in records) * GiB
-    process_peak = peak_reserved + result["outside_allocator_bytes"]
+    outside = result["outside_allocator_bytes"] - others
+    process_peak = peak_reserved + outside
     print(f"cap {CAP_GIB} GiB: peak reserved {peak_reserved / GiB:.2f} GiB + outside the allocator "
-          f"{result['outside_allocator_bytes'] / GiB:.2f} GiB = {process_peak / GiB:.2f} GiB "
-          f"(peak allocated {peak_allocated / GiB:.2f} GiB)")
+          f"{outside / GiB:.2f} GiB = {process_peak / GiB:.2f} GiB (peak allocated {peak_allocated / GiB:.2f} "
+          f"GiB; other processes' memory on the GPU {others / GiB:.2f} GiB)")
     assert process_peak <= CAP_GIB * GiB
-    # the cap binds: the plan used most of what it was given
-    assert peak_allocated > 0.5 * CAP_GIB * GiB
+    # the cap binds: the plan used most of what it was given (the cap less the others' memory)
+    assert peak_allocated > 0.5 * (CAP_GIB * GiB - others)

@@ -62,16 +62,41 @@ def measure_cpu_adam(threads_list=None, numel: int = 1 << 27, dtype=torch.float3
     return {str(t): run(t, steps) for t in threads_list}
 
 
-def measure(gemm_shapes: list[tuple[int, int, int]] | None = None, device: str = "cuda") -> HardwareProfile:
-    """Measure every rate of the profile on the current CUDA device (~10-25 s)."""
+MiB = 1 << 20
+
+
+def transfer_bytes(room: int) -> int:
+    """Size of each of the two device buffers the copy rates are timed on: 1 GiB, or an eighth of
+    the bytes the allocator may hold (a GPU cap), whole MiB, at least 16 MiB."""
+    return max(16 * MiB, min(1 << 30, room // 8) // MiB * MiB)
+
+
+def fitting_gemm(m: int, n: int, k: int, room: int) -> tuple[int, int, int]:
+    """The matmul shape timed for (m, n, k) in bf16 within half of ``room``: fewer rows (tokens)
+    while the operands and result do not fit, down to 256, then fewer columns, down to 1024."""
+    def fits():
+        return 2 * (m * k + k * n + m * n) <= room // 2
+
+    while m > 256 and not fits():
+        m //= 2
+    while n > 1024 and not fits():
+        n //= 2
+    return m, n, k
+
+
+def measure(gemm_shapes: list[tuple[int, int, int]] | None = None, device: str = "cuda",
+            max_bytes: int | None = None) -> HardwareProfile:
+    """Measure every rate of the profile on the current CUDA device (~10-25 s). ``max_bytes``: what
+    this process's allocator may hold (an offload GPU cap); the buffers are sized to stay within it."""
     if not torch.cuda.is_available():
         raise ConfigError("offload.profile: measuring a profile needs a CUDA device; pass a stored one")
     dev = torch.device(device)
     props = torch.cuda.get_device_properties(dev)
     bf = torch.bfloat16
     gemm_shapes = gemm_shapes or [(8192, 8192, 8192), (8192, 4096, 4096), (8192, 14336, 4096)]
+    room = max_bytes or props.total_memory
     gemm = {}
-    for m, n, k in gemm_shapes[:8]:
+    for m, n, k in (fitting_gemm(*shape, room) for shape in gemm_shapes[:8]):
         a = torch.randn(m, k, device=dev, dtype=bf)
         b = torch.randn(k, n, device=dev, dtype=bf)
         s = seconds_per_call(lambda: a @ b, 10)
@@ -91,7 +116,7 @@ def measure(gemm_shapes: list[tuple[int, int, int]] | None = None, device: str =
     attn_tflops = 4 * B * H * T * T * D * 0.5 * 3.5 / s / 1e12
     del q, k, v
 
-    nbytes = 1 << 30  # 1 GiB transfers
+    nbytes = transfer_bytes(room)
     g1 = torch.empty(nbytes, dtype=torch.uint8, device=dev)
     g2 = torch.empty(nbytes, dtype=torch.uint8, device=dev)
     hbm = 2 * nbytes / seconds_per_call(lambda: g2.copy_(g1), 5) / 1e9
