@@ -420,6 +420,8 @@ def markdown(doc: dict) -> str:
     d = doc["device"]
     head = (f"{d['name']} x{d['count']}; " + ", ".join(f"{k} {v}" for k, v in doc["versions"].items())
             + f"; commit {doc['commit'][:10]}; {doc['date'][:10]}; {doc['steps']} steps a row")
+    if d["count"] > 1 and all(r.get("rows_sharing_gpu") == 1 for r in doc["results"] if r.get("exit") != "not run"):
+        head += "; each row on one GPU of its own (CUDA_VISIBLE_DEVICES)"
     lines = [head, "", "| row | what | exit | first step s | tokens/s | peak reserved GiB | loss first -> last | recompiles |",
              "|---|---|---|---|---|---|---|---|"]
     for r in doc["results"]:
