@@ -175,10 +175,12 @@ class Trainer(Stateful):
         model = model_build.build_meta_model(self.model_config, varlen=t.varlen)
         model_build.check_position_limit(model, self.model_config, *((t.context_len, "training.context_len")
                                          if t.varlen else (t.seq_len, "training.seq_len")))
+        adapter_params = 0  # trained LoRA weights (the meta model's global shapes), for the FLOPs count
         if cfg.lora.rank > 0:  # on the meta model, before parallelize: FSDP2 shards the adapters with their blocks
-            from flame.lora import apply_lora
+            from flame.lora import apply_lora, is_adapter_key
 
             logger.info(apply_lora(model, cfg.lora))
+            adapter_params = sum(p.numel() for n, p in model.named_parameters() if is_adapter_key(n))
         self.loss_auto = t.loss_chunk_tokens == -1
         if self.loss_auto:  # chosen before the offload planner, which measures the loss it will run
             t.loss_chunk_tokens, why = choose_loss_chunk_tokens(
@@ -239,7 +241,8 @@ class Trainer(Stateful):
         from flame.models.flops import flops_per_token
 
         ctx = t.context_len if t.varlen else t.seq_len
-        self.flops_per_token = flops_per_token(self.model_config, t.seq_len, ctx)["total"]
+        self.flops_per_token = flops_per_token(self.model_config, t.seq_len, ctx, frozen_base=cfg.lora.rank > 0,
+                                               adapter_params=adapter_params)["total"]
         peak = None
         if self.device.type == "cuda":
             from torchtitan.tools.utils import get_peak_flops

@@ -129,12 +129,21 @@ def forward_flops_per_token(model_config, seq_len: int, context_len: int | None 
     return {'total': dense + attn, 'dense': dense, 'attention': attn}
 
 
-def flops_per_token(model_config, seq_len: int, context_len: int | None = None) -> dict:
+def flops_per_token(model_config, seq_len: int, context_len: int | None = None, frozen_base: bool = False,
+                    adapter_params: int = 0) -> dict:
     """Training FLOPs per token (forward + backward), ``{'total', 'dense', 'attention'}``, as floats.
 
     ``seq_len``: training sequence length; ``context_len``: mean attended context when documents are
     packed with varlen attention (defaults to ``seq_len``). The trainer's MFU is
     ``tokens_per_second * total / peak_flops``.
+
+    A trained matmul weight costs 6 FLOPs per parameter and token: 2 forward, 2 for the input's
+    gradient, 2 for its own. ``frozen_base`` (LoRA): the model's weights get no gradient, so its
+    matmuls cost 4, and ``adapter_params`` trained adapter weights add 6 each.
     """
     fwd = forward_flops_per_token(model_config, seq_len, context_len)
-    return {k: 3.0 * v for k, v in fwd.items()}
+    out = {k: 3.0 * v for k, v in fwd.items()}
+    if frozen_base:
+        out["dense"] = 2.0 * fwd["dense"] + 6.0 * adapter_params
+        out["total"] = out["dense"] + out["attention"]
+    return out

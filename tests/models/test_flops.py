@@ -143,3 +143,31 @@ def test_tied_lm_head_is_counted_as_a_matmul():
     tied = param_counts(tied_cfg)
     assert tied == {'total': vocab * d + body, 'embedding': vocab * d, 'matmul': body + vocab * d}
     assert flops_per_token(tied_cfg, 64)['dense'] == 6 * (body + vocab * d)
+
+
+def test_lora_training_flops_match_flop_counter():
+    """A LoRA step (frozen base, trained adapters): the base's weight gradients are never computed,
+    which FlopCounterMode sees over a forward and backward."""
+    from transformers import AutoModelForCausalLM
+
+    from flame.lora import Lora, apply_lora, is_adapter_key
+    from flame.models.flops import flops_per_token
+
+    cfg = debug_config('llama')
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation='eager')
+    apply_lora(model, Lora(rank=4, alpha=8.0))
+    adapters = sum(p.numel() for n, p in model.named_parameters() if is_adapter_key(n))
+    assert adapters > 0 and all(not p.requires_grad for n, p in model.named_parameters() if not is_adapter_key(n))
+    x = torch.randint(0, 256, (B, T), generator=torch.Generator().manual_seed(0))
+    with FlopCounterMode(display=False) as counter:
+        model(input_ids=x).logits.float().sum().backward()
+    measured = counter.get_total_flops() / (B * T)
+    lora = flops_per_token(cfg, T, frozen_base=True, adapter_params=adapters)
+    full = flops_per_token(cfg, T)
+    # eager attention computes all T x T scores: compare with the non-causal count, as above
+    from flame.models.flops import forward_flops_per_token
+    fwd = forward_flops_per_token(cfg, T, causal=False)
+    expected = 2 * fwd['dense'] + 6 * adapters + 3 * fwd['attention']
+    assert lora['total'] < full['total']
+    assert lora['dense'] == pytest.approx(2 * full['dense'] / 3 + 6 * adapters)
+    assert measured == pytest.approx(expected, rel=0.03)
