@@ -14,6 +14,20 @@ from torchtitan.components.metrics import _build_metric_logger
 from torchtitan.tools.logging import logger
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory. Linux: ``VmHWM``, the process's own; ``ru_maxrss``
+    (the fallback elsewhere) keeps the parent's peak across the exec that started the process."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if os.uname().sysname == "Darwin" else rss * 1024  # bytes on macOS, KiB on Linux
+
+
 def _gib(x: float) -> float:
     return x / 2**30
 
@@ -196,8 +210,7 @@ def run_summary(trainer) -> dict:
         "train_time_s": train_time,
         "tokens_per_second": tokens / train_time if train_time > 0 else None,
         "gpu_memory_peak_gib": m.memory_peak_gib if m.device.type == "cuda" else None,
-        # ru_maxrss is in KiB on Linux: this process's peak resident memory
-        "host_memory_peak_gib": _gib(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024),
+        "host_memory_peak_gib": _gib(peak_rss_bytes()),
         "dump_folder": dump,
         "checkpoint": os.path.join(ckpt_root, f"step-{steps[-1]}") if steps else None,
         "hf_export": hf if cfg.checkpoint.export_hf and os.path.isdir(hf) else None,

@@ -134,11 +134,10 @@ RSS_SCRIPT = textwrap.dedent("""
     with open(path, "w") as f:  # a 3-document source, one document of 2 MB
         f.write(json.dumps({"text": words * (2_000_000 // len(words))}) + "\\n")
         f.write(json.dumps({"text": "a small one"}) + "\\n" + json.dumps({"text": "another"}) + "\\n")
+    from flame.components.metrics import peak_rss_bytes  # the process's own peak, not its parent's
+
     def high_water_kib():
-        # this process's own peak (VmHWM): getrusage's ru_maxrss keeps the parent's peak across the
-        # exec that started us, so a large pytest worker made the first reading its own size
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+        return peak_rss_bytes() // 1024
 
     tok = tokenizer()
     base = high_water_kib()
