@@ -102,7 +102,12 @@ def main(argv: list[str] | None = None) -> int:
 
             print_help(help_text(argv))
             return 0
-        plan, costs, off = plan_for(FlameConfigManager().parse_args(argv))
+        job = FlameConfigManager().parse_args(argv)
+        plan, costs, off = plan_for(job)
+        if plan.offloads and job.optimizer.name == "Muon":  # the trainer refuses this run (maybe_offload)
+            from flame.components.muon import offload_unsupported
+
+            raise offload_unsupported(off.enable)
     except ConfigError as e:
         print(f"flame: error: {e}", file=sys.stderr)
         return 2

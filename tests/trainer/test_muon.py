@@ -182,3 +182,21 @@ def test_offload_is_refused_in_one_line():
 
     with pytest.raises(ConfigError, match="optimizer.name Muon with offload.enable on: the offload engine"):
         FlameConfigManager().parse_args(["--optimizer.name", "Muon", "--offload.enable", "on"])
+
+
+def test_the_calculator_refuses_muon_when_auto_offloads(capsys):
+    """`python -m flame.offload.plan` plans what the trainer would run: where `offload.enable auto`
+    chooses to offload, the trainer refuses Muon, so the calculator must not print a plan for it."""
+    import os
+
+    from flame.offload.calculator import BUNDLED_PROFILES, main
+    from tests.trainer.helpers import ROOT
+
+    args = ["--job.config_file", os.path.join(ROOT, "flame/models/fla.toml"),
+            "--model.config", os.path.join(ROOT, "configs/llama_1B.json"), "--training.batch_size", "2",
+            "--training.seq_len", "8192", "--offload.gpu_memory_gib", "12", "--offload.host_memory_gib", "64",
+            "--offload.profile", BUNDLED_PROFILES[0]]
+    assert main(args) == 0 and "weights streamed" in capsys.readouterr().out  # AdamW: this job offloads
+    assert main(args + ["--optimizer.name", "Muon"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [err[0]] and err[0].startswith("flame: error: optimizer.name Muon with offload.enable auto")
