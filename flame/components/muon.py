@@ -192,9 +192,12 @@ class MuonWithAdamW(Optimizer):
         return loss
 
 
-def offload_unsupported(enable: str) -> ConfigError:
-    return ConfigError(f"optimizer.name Muon with offload.enable {enable}: the offload engine steps its host "
-                       "weights with AdamW only; use optimizer.name AdamW, or offload.enable off")
+def refuse_offloaded_muon(job_config) -> None:
+    """For a run that offloads (the trainer's decision, or the calculator's plan): one error line
+    when its optimizer is Muon."""
+    if getattr(job_config.optimizer, "name", "AdamW") == "Muon":
+        raise ConfigError(f"optimizer.name Muon with offload.enable {job_config.offload.enable}: the offload engine "
+                          "steps its host weights with AdamW only; use optimizer.name AdamW, or offload.enable off")
 
 
 def check_muon_options(cfg) -> None:
@@ -205,5 +208,5 @@ def check_muon_options(cfg) -> None:
     if not 0.0 <= o.muon_momentum < 1.0:
         raise ConfigError(f"optimizer.muon_momentum {o.muon_momentum}: must be in [0, 1)")
     if cfg.offload.enable == "on":
-        raise offload_unsupported("on")
+        refuse_offloaded_muon(cfg)
     _torch_muon()

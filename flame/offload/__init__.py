@@ -264,10 +264,9 @@ def maybe_offload(model: nn.Module, parallel_dims, job_config, device: torch.dev
     mixed = job_config.training.mixed_precision_param
     offloaded = None
     if _wants_offload(model, parallel_dims, job_config, device):
-        if _get(job_config.optimizer, "name", "AdamW") == "Muon":  # offload.enable auto chose to offload
-            from flame.components.muon import offload_unsupported
+        from flame.components.muon import refuse_offloaded_muon
 
-            raise offload_unsupported(job_config.offload.enable)
+        refuse_offloaded_muon(job_config)  # offload.enable auto chose to offload
         # the master copy lives in host memory; the engine moves each block where the plan says
         model.to_empty(device="cpu")
         init_fn(model)

@@ -104,10 +104,10 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         job = FlameConfigManager().parse_args(argv)
         plan, costs, off = plan_for(job)
-        if plan.offloads and job.optimizer.name == "Muon":  # the trainer refuses this run (maybe_offload)
-            from flame.components.muon import offload_unsupported
+        if plan.offloads:  # the trainer refuses Muon in this run (maybe_offload)
+            from flame.components.muon import refuse_offloaded_muon
 
-            raise offload_unsupported(off.enable)
+            refuse_offloaded_muon(job)
     except ConfigError as e:
         print(f"flame: error: {e}", file=sys.stderr)
         return 2
