@@ -125,7 +125,7 @@ TORCH_PATH_FAMILIES = ("mamba", "mamba2", "samba")
 CONFIGS_7B = ["transformer_7B", "softpick_transformer_7B", "vanilla_transformer_7B", "gla_7B"]
 
 
-def all_rows(steps: int, muon_steps: int = None) -> list[Row]:
+def all_rows(steps: int, muon_steps: int | None = None) -> list[Row]:
     rows = [Row("smoke_tiny", "smoke", "configs/debug/transformer_tiny.json, 8 x 256 (checks the harness; runs on CPU)",
                 config_run(_cfg("debug/transformer_tiny"), steps, 8, 256, ("--training.no-compile",
                                                                          "--training.mixed_precision_param", "float32")),
@@ -156,10 +156,11 @@ def all_rows(steps: int, muon_steps: int = None) -> list[Row]:
                             f"{'compile' if comp else 'eager'}", args, steps, 240, config_edit={"attn_impl": impl}))
     for name in CONFIGS_UP_TO_1B:
         big = name.endswith("1B")
-        torch_path = name.split("_")[0] in TORCH_PATH_FAMILIES
+        family = name.split("_")[0]
+        torch_path = family in TORCH_PATH_FAMILIES
         batch = 2 if torch_path else 4 if big else 8
         extra = ("--activation_checkpoint.mode", "full") if big or torch_path else ()
-        compile_ = not name.startswith(("mamba_", "samba_"))
+        compile_ = family not in ("mamba", "samba")  # Mamba's time loop: see TORCH_PATH_FAMILIES
         args = config_run(_cfg(name), steps, batch, 2048, extra)
         if not compile_:
             args.remove("--training.compile")
