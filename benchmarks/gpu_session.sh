@@ -5,13 +5,20 @@
 #   TAG names the result files; an empty PYTEST_ARGS or ACCEPTANCE_ARGS skips that part.
 #   TEST_GPUS / ACCEPT_GPUS: on a machine of several GPUs, the tests run on TEST_GPUS while the
 #   acceptance rows run on ACCEPT_GPUS at the same time (each row on its own GPU with --parallel).
-#   Wheels: .whl, and .whl-tl / .whl-z3 (tilelang, carried in two calls) where present.
+#   Wheels: .whl, and .whl-tl / .whl-z3 (tilelang, carried in two calls back to back) where present.
 set -uo pipefail
 tag=$1; tests=${2:-}; accept=${3:-}
 out=${OUT:-/tmp/out}; mkdir -p "$out"
-wheels=$(ls .whl/*.whl .whl-tl/*.whl .whl-z3/*.whl 2>/dev/null)
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $wheels || exit 1
+pipi() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$@"; }
+pipi /tmp/site .whl/*.whl || exit 1
+# tilelang arrives over two calls (.whl-tl, then .whl-z3): it goes to its own folder, which joins the
+# path only once tilelang imports, so a half-installed tilelang never changes which FLA kernels run
+tl=$(ls .whl-tl/*.whl .whl-z3/*.whl 2>/dev/null)
+[ -n "$tl" ] && { pipi /tmp/site_tl $tl || exit 1; }
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+if [ -d /tmp/site_tl ] && PYTHONPATH=/tmp/site_tl:$PYTHONPATH python3 -c "import tilelang" 2>/dev/null; then
+  export PYTHONPATH=/tmp/site_tl:$PYTHONPATH; echo "tilelang: installed"
+fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 run_tests() {
   # one process (the carried wheels have no pytest-xdist, and GPU tests should not share the card)
