@@ -528,14 +528,14 @@ def main() -> int:
                 json.dump(doc, f, indent=1)
 
     if a.parallel > 1:
-        # several rows share the GPU (their tokens/s are not a speed measurement); a row that fails
-        # there runs again alone, so a failure in the table is the row's own
+        # where several rows share a GPU (their tokens/s are not a speed measurement), a row that
+        # fails there runs again alone, so a failure in the table is the row's own
         with concurrent.futures.ThreadPoolExecutor(a.parallel) as pool:
             done = list(zip(chosen, pool.map(lambda r: run_one(r, sharing), chosen)))
         for row, res in done:
             record(row, res)
         for row, res in done:
-            if res is not None and res["exit"] != 0:
+            if res is not None and res["exit"] != 0 and res["rows_sharing_gpu"] > 1:
                 record(row, run_one(row, 1) or res)
     else:
         for row in chosen:

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # One device call: install the carried wheels, run the GPU tests and acceptance rows, copy results to $OUT.
-# usage: FLAME_COMMIT=<sha> [TEST_GPUS=2,3 ACCEPT_GPUS=0,1] bash benchmarks/gpu_session.sh TAG "PYTEST_ARGS" "ACCEPTANCE_ARGS"
+# usage: FLAME_COMMIT=<sha> [TEST_GPUS=2,3 ACCEPT_GPUS=0,1 OFFLOAD_GPUS=2,3] bash benchmarks/gpu_session.sh TAG "PYTEST_ARGS" "ACCEPTANCE_ARGS" ["OFFLOAD_ARGS"]
 #   FLAME_COMMIT: the commit of the tree sent (the device copy's .git can be stale), recorded in the JSON
 #   TAG names the result files; an empty PYTEST_ARGS or ACCEPTANCE_ARGS skips that part.
 #   TEST_GPUS / ACCEPT_GPUS: on a machine of several GPUs, the tests run on TEST_GPUS while the
 #   acceptance rows run on ACCEPT_GPUS at the same time (each row on its own GPU with --parallel).
+#   OFFLOAD_ARGS: benchmarks/offload.py's arguments (e.g. --lanes), run on OFFLOAD_GPUS beside the rest.
 #   Wheels: .whl, and .whl-tl / .whl-z3 (tilelang, carried in two calls back to back) where present.
 set -uo pipefail
-tag=$1; tests=${2:-}; accept=${3:-}
+tag=$1; tests=${2:-}; accept=${3:-}; offload=${4:-}
 out=${OUT:-/tmp/out}; mkdir -p "$out"
 pipi() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$@"; }
 pipi /tmp/site .whl/*.whl || exit 1
@@ -34,9 +35,17 @@ if [ -n "$tests" ]; then
     run_tests
   fi
 fi
+offload_pid=
+if [ -n "$offload" ]; then
+  ( [ -n "${OFFLOAD_GPUS:-}" ] && export CUDA_VISIBLE_DEVICES=$OFFLOAD_GPUS
+    python3 benchmarks/offload.py "$out/offload_$tag.json" $offload > "$out/offload_$tag.log" 2>&1
+    grep -v "^WARNING" "$out/offload_$tag.log" | tail -40 ) &
+  offload_pid=$!
+fi
 if [ -n "$accept" ]; then
   ( [ -n "${ACCEPT_GPUS:-}" ] && export CUDA_VISIBLE_DEVICES=$ACCEPT_GPUS
     python3 benchmarks/acceptance.py "$out/acceptance_$tag.json" $accept 2>&1 | grep -v "^WARNING" | tail -80 )
 fi
 [ -n "$test_pid" ] && wait $test_pid
+[ -n "$offload_pid" ] && wait $offload_pid
 true

@@ -21,6 +21,7 @@ the measured ones (its calibration line, steps 3-5) with their errors.
 
 usage:
     python benchmarks/offload.py OUT.json [--shapes 3B,8B] [--rows a,b] [--steps N] [--budget_s S] [--append]
+    python benchmarks/offload.py OUT.json --lanes "a,b;c,d"   # lanes at once, each on a GPU of its own
     python benchmarks/offload.py --list          # rows and their command lines (any machine, no GPU)
     python benchmarks/offload.py --markdown OUT.json
 """
@@ -34,6 +35,7 @@ import re
 import shutil
 import statistics
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -42,7 +44,7 @@ ROOT = os.path.dirname(HERE)
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-from acceptance import commit, device_info, records, run_in_group, versions, write_markdown  # noqa: E402
+from acceptance import commit, device_info, gpu_slots, records, run_in_group, versions, write_markdown  # noqa: E402
 
 TOML = os.path.join(ROOT, "flame/models/fla.toml")
 TOKENIZER = os.path.join(ROOT, "flame/assets/tokenizer")
@@ -218,12 +220,14 @@ def fit_problem(row: BenchRow) -> str | None:
     return None
 
 
-def run_bench_row(row: BenchRow, runs: str, cap_s: float) -> dict:
+def run_bench_row(row: BenchRow, runs: str, cap_s: float, gpu: str | None = None) -> dict:
     dump = os.path.join(runs, row.name)
     shutil.rmtree(dump, ignore_errors=True)
     os.makedirs(dump)
     cmd = command(row, dump)
     env = dict(os.environ, PYTHON=sys.executable, PYTHONUNBUFFERED="1", **row.env)
+    if gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = gpu
     env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
     log_path = os.path.join(dump, "console.log")
     metrics = os.path.join(dump, "metrics.jsonl")
@@ -265,6 +269,9 @@ def markdown(doc: dict) -> str:
                 if "peak_reserved_error" in r else "-")
         lines.append(f"| {r['row']} | {r['what']} | {r['exit']} | {fmt(r['tokens_per_second'], ',')} | "
                      f"{fmt(r['step_s'], '.2f')} | {fmt(r['peak_reserved_gib'], '.1f')} | {pred} | {peak} |")
+    if doc.get("lanes"):
+        lines += ["", "Lanes that ran at once, each on a GPU of its own (the host was shared): "
+                  + "; ".join(" -> ".join(lane) for lane in doc["lanes"])]
     return "\n".join(lines)
 
 
@@ -273,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("out", nargs="?")
     ap.add_argument("--shapes", default="3B,8B", help="comma list of " + ", ".join(SHAPES))
     ap.add_argument("--rows", default="", help="comma list of row names (default: every row of --shapes)")
+    ap.add_argument("--lanes", default="", help="rows in lanes, ';' between lanes: the lanes run at once, each "
+                    "on a GPU of its own, the rows of a lane one after another")
     ap.add_argument("--steps", type=int, default=8, help="optimizer steps a row (FSDP2 offload rows: at most 4)")
     ap.add_argument("--budget_s", type=float, default=570, help="stop starting rows after this many seconds")
     ap.add_argument("--runs", default=os.environ.get("FLAME_RUNS", "/tmp/flame_offload_bench"))
@@ -290,10 +299,16 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown shapes {unknown}")
     rows = all_rows(a.steps, shapes)
     names = [n for n in a.rows.split(",") if n]
+    if a.lanes and names:
+        ap.error("give --rows or --lanes, not both")
+    lane_names = [[n for n in lane.split(",") if n] for lane in a.lanes.split(";")] if a.lanes else []
+    names = names or [n for lane in lane_names for n in lane]
     unknown = [n for n in names if n not in {r.name for r in rows}]
     if unknown:
         ap.error(f"unknown rows {unknown}; --list shows them")
     chosen = [r for r in rows if not names or r.name in names]
+    by_name = {r.name: r for r in rows}
+    lanes = [[by_name[n] for n in lane] for lane in lane_names if lane] or [chosen]
     if a.list:
         for r in chosen:
             print(f"{r.name}  ({r.what})\n    {' '.join(command(r, os.path.join(a.runs, r.name)))}")
@@ -312,25 +327,50 @@ def main(argv: list[str] | None = None) -> int:
                                                                  if k in old}]
     t0 = time.perf_counter()
     found = set()  # searches that have their result
-    for row in chosen:
-        if row.search and row.search in found:
-            res = {"exit": "not run", "reason": f"{row.search}: a larger batch fit"}
-        elif (why := fit_problem(row)) is not None:
-            res = {"exit": "not run", "reason": why}
-        elif (left := a.budget_s - (time.perf_counter() - t0)) < 60:
-            res = {"exit": "not run", "reason": "out of the call's time budget"}
-        else:
-            print(f"== {row.name}: {row.what}", flush=True)
-            res = run_bench_row(row, a.runs, min(row.cap_s, left))
-            if row.search and res["exit"] == 0:
-                found.add(row.search)
-        res = {"row": row.name, "shape": row.shape, "framework": row.framework, "mode": row.mode, "what": row.what,
-               "command": " ".join(command(row, os.path.join(a.runs, row.name))), **res}
-        res["device"] = doc["device"]["name"]
-        doc["results"].append(res)
-        print(json.dumps({k: v for k, v in res.items() if k not in ("command", "error_tail")}), flush=True)
-        with open(a.out, "w") as f:
-            json.dump(doc, f, indent=1)
+    lock = threading.Lock()
+
+    def run_lane(lane: list[BenchRow], gpu: str | None) -> None:
+        for row in lane:
+            with lock:
+                searched = bool(row.search and row.search in found)
+            if searched:
+                res = {"exit": "not run", "reason": f"{row.search}: a larger batch fit"}
+            elif (why := fit_problem(row)) is not None:
+                res = {"exit": "not run", "reason": why}
+            elif (left := a.budget_s - (time.perf_counter() - t0)) < 60:
+                res = {"exit": "not run", "reason": "out of the call's time budget"}
+            else:
+                print(f"== {row.name} (GPU {gpu}): {row.what}", flush=True)
+                res = run_bench_row(row, a.runs, min(row.cap_s, left), gpu)
+                if gpu is not None:
+                    res["gpu"] = gpu
+            res = {"row": row.name, "shape": row.shape, "framework": row.framework, "mode": row.mode,
+                   "what": row.what, "command": " ".join(command(row, os.path.join(a.runs, row.name))), **res}
+            res["device"] = doc["device"]["name"]
+            with lock:
+                if row.search and res["exit"] == 0:
+                    found.add(row.search)
+                doc["results"].append(res)
+                print(json.dumps({k: v for k, v in res.items() if k not in ("command", "error_tail")}), flush=True)
+                with open(a.out, "w") as f:
+                    json.dump(doc, f, indent=1)
+
+    if len(lanes) == 1:
+        run_lane(lanes[0], None)
+    else:
+        # each lane on a GPU of its own; the host (cores, memory bandwidth) is shared, which the
+        # JSON records as the lanes that ran at once
+        doc["lanes"] = [[r.name for r in lane] for lane in lanes]
+        slots, _ = gpu_slots(len(lanes))
+        threads = [threading.Thread(target=run_lane, args=(lane, gpu)) for lane, gpu in zip(lanes, slots)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    order = {r.name: i for i, r in enumerate(chosen)}
+    doc["results"].sort(key=lambda r: order.get(r["row"], -1))
+    with open(a.out, "w") as f:
+        json.dump(doc, f, indent=1)
     write_markdown(a.out, markdown(doc))
     return 0
 
