@@ -122,6 +122,9 @@ CONFIGS_UP_TO_1B = [
 # Mamba's steps through time in a Python loop (compiling it unrolls the loop), so these rows
 # run 2 x 2048 with full AC, and Mamba and Samba without compile
 TORCH_PATH_FAMILIES = ("mamba", "mamba2", "samba")
+# families whose first step compiles FLA's Triton kernels (and tilelang's on Hopper) and autotunes
+# them: on a cold machine that alone took 3-5 minutes a row, so these rows get a longer wall cap
+FLA_KERNEL_FAMILIES = ("gla", "delta", "gated", "gsa", "hgrn2", "retention", "mamba", "mamba2", "samba")
 CONFIGS_7B = ["transformer_7B", "softpick_transformer_7B", "vanilla_transformer_7B", "gla_7B"]
 
 
@@ -167,7 +170,7 @@ def all_rows(steps: int, muon_steps: int | None = None) -> list[Row]:
         what = f"{name}, {batch} x 2048{', full AC' if extra else ''}, {'compile' if compile_ else 'eager'}"
         if torch_path:
             what += " (FLA's torch path: mamba_ssm/causal_conv1d absent)"
-        rows.append(Row(f"config_{name}", "configs", what, args, steps, 300))
+        rows.append(Row(f"config_{name}", "configs", what, args, steps, 540 if family in FLA_KERNEL_FAMILIES else 300))
     # SFT against pretraining at the same model and batch shape (tokens/s over all positions, and trained ones)
     sft_data = ",".join(os.path.join(SFT_SAMPLE, f"{n}.jsonl") for n in ("chat", "alpaca", "sharegpt"))
     varlen = ("--activation_checkpoint.mode", "full", "--training.varlen", "--training.context_len", "2048")

@@ -186,6 +186,20 @@ def planner_report(console: str) -> dict:
             "measured_peak_allocated_gib": meas_peak}
 
 
+def offload_scalars(metrics_path: str) -> dict:
+    """The offload calibration's scalars (``offload/*``) of a flame run's metrics.jsonl."""
+    out = {}
+    if os.path.isfile(metrics_path):
+        with open(metrics_path) as f:
+            for line in f:
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                out.update({k: v for k, v in rec.items() if k.startswith("offload/")})
+    return out
+
+
 def summarize(steps: list[dict]) -> dict:
     """Median tokens/s over the second half of the steps, their step seconds, the reserved peak."""
     half = steps[len(steps) // 2:] if len(steps) >= 2 else steps
@@ -242,6 +256,10 @@ def run_bench_row(row: BenchRow, runs: str, cap_s: float, gpu: str | None = None
     if row.framework == "flame":
         pr = planner_report(console)
         out.update(pr)
+        # where the step's time goes, for the findings: the calibration's scalars and the planner's log
+        out["offload_report"] = offload_scalars(metrics)
+        out["offload_log"] = [line.split(" - ", 3)[-1] for line in ANSI.sub("", console).splitlines()
+                              if "flame.offload" in line][-40:]
         if pr and out["step_s"]:
             out["step_error"] = round(out["step_s"] / pr["predicted_step_s"] - 1, 4)
             out["peak_allocated_error"] = round(pr["measured_peak_allocated_gib"] / pr["predicted_peak_gib"] - 1, 4)
