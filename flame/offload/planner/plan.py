@@ -39,6 +39,10 @@ class Plan:
     the calibration's re-solve keeps the same choice."""
     selective_recompute: bool = True
     """Whether the solver could choose selective recompute (offload.selective_recompute)."""
+    speculative_step: bool = False
+    """Host units start their CPU AdamW as their grads land in the backward, unclipped, and redo
+    it when the step clips or is skipped (offload.speculative_step); their master and moments are
+    copied aside each step (host memory and time counted by the cost model)."""
 
     @property
     def offloads(self) -> bool:

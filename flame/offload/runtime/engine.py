@@ -127,11 +127,13 @@ class OffloadEngine:
         if trainable:
             self.units.append(Unit(len(self.units), "trainable", trainable, "gpu", "keep", False, self.world, self.rank))
         self.optimizer = HostOptimizer(self.units, self.worker, lr, betas, eps, weight_decay, set(no_decay or ()),
-                                       plan.cpu_threads)
+                                       plan.cpu_threads, speculative=plan.speculative_step)
         self.schedule = WeightSchedule(self.units, self.streams, self.device, compute, plan.prefetch_depth, group,
                                        self.world, self.optimizer.wait_for)
         self.gradients = Gradients(self.units, self.streams, self.device, compute, grad, plan.rounds, group,
                                    self.world, self.comm_device, self.worker)
+        if plan.speculative_step:
+            self.gradients.on_complete = self.optimizer.speculate
         for mod in model.modules():  # buffers (rotary tables, ...) live on the compute device
             for k, b in list(mod._buffers.items()):
                 if b is not None:
@@ -199,8 +201,9 @@ class OffloadEngine:
     def step(self, lr: float | None = None) -> None:
         """Step every unit with the grads clipped by the last clip_grad_norm_ (taken here, without
         clipping, when it was not called). GPU units step now; host units are stepped on the CPU
-        thread in forward order, each writing its new compute copy into the pinned buffer; the
-        next forward waits per unit."""
+        thread in forward order, each writing its new compute copy into the pinned buffer (or keep
+        the speculative update they made in the backward, when it is this step's); the next
+        forward waits per unit."""
         if lr is not None:
             self.optimizer.lr = lr
         if self._clip_coefficient is None:
@@ -215,7 +218,7 @@ class OffloadEngine:
             if u.mode != "gpu" and not u.frozen:
                 u.grads.sent = False
                 self.schedule.stale(u)
-                self.optimizer.start_on_cpu(u, coef)
+                self.optimizer.finish(u, coef)
         self.gradients.clean = True
 
     def zero_grad(self) -> None:
@@ -226,6 +229,8 @@ class OffloadEngine:
 
     def _zero_all(self) -> None:
         self._clip_coefficient = None
+        for u in self.units:  # a skipped step: no speculative update may stay
+            self.optimizer.discard(u)
         self.worker.wait()
         if self.cuda:  # no copy may still read or write the buffers zeroed here
             torch.cuda.synchronize()

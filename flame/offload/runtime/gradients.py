@@ -18,6 +18,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -69,6 +70,9 @@ class Gradients:
         self.slots: list[Slot] = []
         self.use_counter = 0
         self.gpu_sq = torch.zeros((), dtype=torch.float32, device=device)  # squared norms taken on the GPU
+        # called with a host unit once its grads of the step are complete (queued for the host):
+        # the optimizer's speculative step (None: nothing to do then)
+        self.on_complete: Callable[[Unit], None] | None = None
 
     # ------------------------------------------------------------------ buffers
     def build_conversion(self) -> None:
@@ -184,6 +188,7 @@ class Gradients:
             g.slot.free = g.d2h_done
         if self.direct:
             g.staging_free.set()  # the CPU AdamW waits for d2h_done itself
+            self._complete(u)
             return
         first, last = self.round == 0, self.round == self.rounds - 1
         ev = g.d2h_done
@@ -201,6 +206,12 @@ class Gradients:
             g.staging_free.set()
 
         self.worker.submit(accumulate)
+        if last:
+            self._complete(u)  # queued after the add: the worker runs jobs in order
+
+    def _complete(self, u: Unit) -> None:
+        if self.on_complete is not None:
+            self.on_complete(u)
 
     def _reduce_scatter(self, u: Unit) -> torch.Tensor:
         """Sum the unit's full grad over the ranks into this rank's shard on the compute stream;
@@ -245,6 +256,7 @@ class Gradients:
         # accumulated in its grad buffer: empty it for the next step once copied
         self._d2h(u, lambda: self.s.copy(g.staging, 0, u.shard_numel, g.device_accumulator, to_host=True),
                   g.buffer if g.device_accumulator is g.buffer else None)
+        self._complete(u)
 
     def _d2h(self, u: Unit, copy_out, then_zero: torch.Tensor | None) -> None:
         """Run `copy_out` (u's grads into its pinned staging buffer) on the D2H stream after the
