@@ -73,6 +73,13 @@ class Offload:
     recompute the rest (norms, rotary, activation functions) in the backward. Between keeping a
     block's activations and recomputing its whole forward in memory; nearly free in time."""
 
+    speculative_step: bool = False
+    """Start each host block's CPU AdamW as soon as its gradients reach the host, during the rest of
+    the backward, instead of after the step's gradient norm; it is kept when the step turns out
+    unclipped at that learning rate, and redone (or undone, for a skipped step) otherwise, so the
+    result equals the usual step's bit for bit. Costs a copy of the master weights and moments in
+    host memory (the planner counts it) and a redo on every clipped step."""
+
     prefetch_depth: int = 0
     """Blocks whose weights are in flight ahead of the block computing. 0 = chosen by the planner."""
 

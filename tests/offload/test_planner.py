@@ -682,3 +682,28 @@ def test_selective_recompute_by_hand_and_in_the_solver(costs):
                      overrides=["weights[*]=host"] + [f"activations[{i}]={a}" for i, a in enumerate(
                          ["keep" if a == "keep" else "recompute" for a in plan.layer_acts])])
     assert plan.predicted["step_s"] < only_rec.predicted["step_s"]
+
+
+def test_speculative_step_by_hand(costs):
+    """The speculative CPU step (offload.speculative_step): its work (plus the copy aside of master
+    and moments) moves from the next forward's start to the end of the backward, and the copy's
+    host bytes are counted."""
+    lay = UnitCosts("l", "layer", 10**9, {}, 1e12, 0.0, 0, 0, 0)
+    out = UnitCosts("outer", "outer", 0, {}, 0.0, 0.0, 0, 0, 0)
+    c = ModelCosts(1, 1, [lay, out], "L")
+    p = prof()
+    cpu = 1e9 / 4e9 + 1e9 * 6 / 20e9  # AdamW + the fp32 -> bf16 compute copy, as in test_predict_by_hand
+    backup = 1e9 * (4 + 8) / 10e9  # master and moments copied at the memcpy rate
+    h2d, fwd, bwd, d2h = 2e9 / 50e9, 1e12 / 500e12, 2e12 / 500e12, 4e9 / (70e9 * 0.5)
+    pr = predict(c, p, Dtypes(), ["stream"], ["keep"], "gpu", 1, 1, 1, 15, speculative=True)
+    # the forward no longer waits; the backward ends when the CPU step after the D2H has run
+    assert pr.phase_s == pytest.approx([h2d + fwd, bwd + d2h + cpu + backup, 0.0])
+    assert pr.cpu_s == pytest.approx(cpu + backup)
+    plain = predict(c, p, Dtypes(), ["stream"], ["keep"], "gpu", 1, 1, 1, 15)
+    assert pr.host_bytes - plain.host_bytes == 1e9 * (4 + 8)
+    assert unit_host_bytes(lay, "stream", Dtypes(), speculative=True)[0] == 1e9 * (2 + 4 + 4 + 8 + 12)
+    # the solver carries the choice into the plan, within the host budget that now holds the copy
+    budget = dict(gpu_budget=4 * GiB, host_budget=64 * GiB, micro_batch=2, rounds=1, cpu_threads=15)
+    spec = solve(costs, prof(), Dtypes(), **budget, speculative_step=True)
+    assert spec.speculative_step and spec.predicted["peak_host_bytes"] <= 64 * GiB
+    assert not solve(costs, prof(), Dtypes(), **budget).speculative_step

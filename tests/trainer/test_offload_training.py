@@ -57,6 +57,17 @@ def test_offloaded_run_matches_plain_and_checkpoints_cross_over(six_steps, tmp_p
     assert losses(cross) == pytest.approx(lp, rel=1e-4, abs=1e-4)
 
 
+def test_speculative_cpu_steps_equal_the_usual_ones(six_steps, tmp_path):
+    """`--offload.speculative_step` through the trainer (its lr schedule, clipping at 1.0, the
+    adapter's lr for the speculation): the same losses and grad norms as the offloaded run."""
+    _, off = six_steps
+    spec = str(tmp_path / "spec")
+    run_job(1, spec, "--training.steps", "6", *COMMON, *OFFLOAD, "--offload.speculative_step")
+    assert losses(spec) == losses(off)
+    norms = [[r["grad_norm"] for r in metrics(d) if "loss" in r] for d in (off, spec)]
+    assert norms[0] == norms[1]
+
+
 def test_plain_checkpoint_resumes_with_offload(six_steps, tmp_path):
     plain, _ = six_steps
     cross = _stopped_at_step_3(plain, str(tmp_path / "cross"))

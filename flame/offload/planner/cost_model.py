@@ -171,22 +171,28 @@ def grad_conversion_bytes(dt: Dtypes) -> int:
     return 0 if dt.grad == dt.master else DTYPE_BYTES[dt.grad] + DTYPE_BYTES[dt.master]
 
 
+def speculative_backup_bytes(dt: Dtypes) -> int:
+    """Bytes per trained parameter a speculative CPU step copies aside: master and moments."""
+    return DTYPE_BYTES[dt.master] + dt.moments
+
+
 def unit_host_bytes(u: UnitCosts, mode: str, dt: Dtypes, rounds: int = 1, gpu_acc: bool = False,
-                    world: int = 1) -> tuple[int, int]:
+                    world: int = 1, speculative: bool = False) -> tuple[int, int]:
     """(total host bytes, of which pinned) of a unit on one rank (its shard when world > 1)."""
     if mode == "gpu":
         return 0, 0
     # a frozen parameter is its compute copy alone: no grad buffers, master copy or moments
     n, t = shard_numel(u.numel, world), shard_numel(u.trainable_numel, world)
     g = DTYPE_BYTES[dt.grad]
+    backup = t * speculative_backup_bytes(dt) if speculative else 0
     if rounds == 1 or gpu_acc:
         # pinned: compute copy the GPU streams from (the master itself when dtypes match) + the
         # grad accumulator the D2H writes into directly (once per step)
         pinned = n * dt.c + t * g
-        return pinned + t * (dt.master_extra + dt.moments), pinned
+        return pinned + t * (dt.master_extra + dt.moments) + backup, pinned
     # rounds > 1: grads arrive in compute dtype into a pinned staging buffer, added on the CPU
     pinned = n * dt.c + t * dt.c
-    return pinned + t * (dt.master_extra + g + dt.moments), pinned
+    return pinned + t * (dt.master_extra + g + dt.moments) + backup, pinned
 
 
 @dataclass
@@ -330,7 +336,8 @@ class ActivationMemory:
 
 
 def state_memory(costs: ModelCosts, dt: Dtypes, layer_modes, outer_mode: str, depth: int, rounds: int,
-                 layer_accs: list[bool] | None = None, outer_acc: bool = False, world: int = 1) -> StateMemory:
+                 layer_accs: list[bool] | None = None, outer_acc: bool = False, world: int = 1,
+                 speculative: bool = False) -> StateMemory:
     layers, outer = costs.layers, costs.outer
     units = [outer] + list(layers)
     modes = [outer_mode] + list(layer_modes)
@@ -338,7 +345,7 @@ def state_memory(costs: ModelCosts, dt: Dtypes, layer_modes, outer_mode: str, de
     static = static_gpu_bytes(units, modes, dt, depth, rounds, accs, world)
     host = pinned = 0
     for u, m, a in zip(units, modes, accs):
-        h, p = unit_host_bytes(u, m, dt, rounds, a, world)
+        h, p = unit_host_bytes(u, m, dt, rounds, a, world, speculative)
         host += h
         pinned += p
     if rounds > 1 and any(m != "gpu" and not a for m, a in zip(modes, accs)):
@@ -393,22 +400,25 @@ def combine_memory(state: StateMemory, acts: ActivationMemory) -> MemoryPredicti
 
 def predict_memory(costs: ModelCosts, dt: Dtypes, layer_modes, layer_acts, outer_mode: str, depth: int,
                    micro_batch: int, rounds: int, layer_accs: list[bool] | None = None, outer_acc: bool = False,
-                   world: int = 1) -> MemoryPrediction:
+                   world: int = 1, speculative: bool = False) -> MemoryPrediction:
     """Peak GPU bytes and host/pinned bytes of one plan on one rank (the memory half of `predict`;
     the solver bisects over its two halves, cached, before timing one candidate)."""
-    return combine_memory(state_memory(costs, dt, layer_modes, outer_mode, depth, rounds, layer_accs, outer_acc, world),
+    return combine_memory(state_memory(costs, dt, layer_modes, outer_mode, depth, rounds, layer_accs, outer_acc, world,
+                                       speculative),
                           activation_memory(costs, dt, layer_acts, depth, micro_batch))
 
 
 def predict(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, layer_modes, layer_acts, outer_mode: str,
             depth: int, micro_batch: int, rounds: int, cpu_threads: int, fudge: float = 1.0,
             layer_accs: list[bool] | None = None, outer_acc: bool = False, world: int = 1,
-            node_ranks: int = 1, memory: MemoryPrediction | None = None) -> Prediction:
+            node_ranks: int = 1, memory: MemoryPrediction | None = None, speculative: bool = False) -> Prediction:
     """Predicted steady-state step time and peak memory of one plan (`memory`: its predict_memory,
     when the caller has it already; `layer_accs`, `outer_acc`:
     grads of host units accumulated on the GPU over the rounds, sent to the host once a step),
     per rank of `world` data-parallel ranks (host units sharded; bytes are one rank's), `node_ranks`
-    of which share this machine's CPUs for their optimizers."""
+    of which share this machine's CPUs for their optimizers. `speculative`: host units' CPU steps
+    run in the last backward as their grads land (after a copy of master and moments), unclipped;
+    steps that clip redo them, which this steady-state prediction leaves out."""
     scale = micro_batch / costs.micro_batch
     layers, outer = costs.layers, costs.outer
     c = dt.c
@@ -442,6 +452,11 @@ def predict(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, layer_modes, l
     gconv = grad_conversion_bytes(dt)
     host_acc = [m != "gpu" and rounds > 1 and not a for m, a in zip(modes, accs)]
     cpu_t = [n / cpu_rate + n * (conv + gconv) / (2 * memcpy) if m != "gpu" else 0.0 for n, m in zip(tn, modes)]
+    # speculative: the same CPU work plus the copy aside of master and moments, queued on the CPU
+    # worker after the unit's last D2H of the step instead of gating its next forward
+    spec_t = [t + n * speculative_backup_bytes(dt) / memcpy if speculative and m != "gpu" else 0.0
+              for t, n, m in zip(cpu_t, tn, modes)]
+    gate_t = [0.0 if speculative else t for t in cpu_t]
     # host accumulation, every micro-batch after the unit's D2H, on the CPU worker: the first
     # copies the staged grads (read c, write g bytes/param), the others add: same dtype read c,
     # read+write g; mixed dtypes convert a chunk into a scratch buffer first (+ write g, read g),
@@ -486,7 +501,7 @@ def predict(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, layer_modes, l
             # the outer's forward is the head and loss at the end (the embedding lookup at the
             # start costs next to nothing): its weights and CPU step gate the start, its compute
             # runs after the last block
-            fw.append((cpu_t[j] if r == 0 else 0.0, b / h2d_fwd + (ag_s[j] if need else 0.0), times[j][0] if j else 0.0,
+            fw.append((gate_t[j] if r == 0 else 0.0, b / h2d_fwd + (ag_s[j] if need else 0.0), times[j][0] if j else 0.0,
                        off[j] / d2h_fwd))
             compute += times[j][0]
         fw.append((0.0, 0.0, times[0][0], 0.0))
@@ -507,7 +522,8 @@ def predict(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, layer_modes, l
                 selective_recompute_s(units[k], prof, scale) if acts[k] == "selective" else 0.0
             ct = times[k][1] + redo + add_t[k]
             compute += ct
-            bw.append((0.0, b / h2d_bwd + (ag_s[k] if refetch else 0.0), ct + rs_s[k], d / d2h_bwd, acc_s(k, r)))
+            bw.append((0.0, b / h2d_bwd + (ag_s[k] if refetch else 0.0), ct + rs_s[k], d / d2h_bwd,
+                       acc_s(k, r) + (spec_t[k] if r == rounds - 1 else 0.0)))
         phases.append(_flow(bw, depth))
     gpu_params = sum(u.trainable_numel for u, m in zip(units, modes) if m == "gpu")
     # the GPU AdamW, then for replicated "gpu" units one all-reduce (reduce-scatter + all-gather)
@@ -521,13 +537,14 @@ def predict(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, layer_modes, l
     # The weights' H2D reads are left out of this term: beside them alone the AdamW's rate stays
     # within its step-to-step spread; activations copied to the host in bulk slow it measurably.
     slow = cpu_contention(prof, dt, cpu_rate, sum(off), phases[0])
-    if slow > 1.0:
+    if slow > 1.0 and not speculative:
         cpu_t = [t * slow for t in cpu_t]
         phases[0] = _flow([(a * slow, b, cc, d) for a, b, cc, d in fw0], depth, gates)
     total = sum(phases)
 
     m = memory or predict_memory(costs, dt, layer_modes, layer_acts, outer_mode, depth, micro_batch, rounds,
-                                 layer_accs, outer_acc, world)
+                                 layer_accs, outer_acc, world, speculative)
     useful = rounds * sum(scale * (u.fwd_gemm_flops + u.bwd_gemm_flops + u.fwd_attn_flops + u.bwd_attn_flops) for u in units)
-    return Prediction(total, m.gpu_bytes, m.host_bytes, m.pinned_bytes, compute, h2d_bytes, d2h_bytes, sum(cpu_t),
+    return Prediction(total, m.gpu_bytes, m.host_bytes, m.pinned_bytes, compute, h2d_bytes, d2h_bytes,
+                      sum(spec_t) if speculative else sum(cpu_t),
                       useful, m.static_gpu, m.activation_bytes, m.transient_bytes, phases)

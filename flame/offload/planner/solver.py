@@ -92,10 +92,12 @@ def _apply(layer_modes, layer_acts, ov):
 def solve(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, gpu_budget: int, host_budget: int,
           micro_batch: int, rounds: int, cpu_threads: int, depths=(1, 2, 3), overrides: list[str] | None = None,
           allow_offload: bool = True, fudge: float = 1.0, world: int = 1, node_ranks: int = 1,
-          offload_activations: bool = False, selective_recompute: bool = True) -> Plan:
+          offload_activations: bool = False, selective_recompute: bool = True,
+          speculative_step: bool = False) -> Plan:
     """The fastest plan whose predicted peak GPU and host bytes fit the budgets
     (`offload_activations`: whether blocks may offload their activations to the host;
-    `selective_recompute`: whether blocks may keep their matmul outputs and recompute the rest).
+    `selective_recompute`: whether blocks may keep their matmul outputs and recompute the rest;
+    `speculative_step`: host units' CPU steps start in the backward, see runtime.host_optimizer).
 
     Raises ConfigError naming what is missing when nothing fits (before anything is allocated)."""
     n = len(costs.layers)
@@ -120,7 +122,8 @@ def solve(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, gpu_budget: int,
                 for acc_group in _acc_options(base_modes, outer, rounds):
                     for outer_acc, accs in acc_group:  # GPU memory grows along a group
                         fits_gpu = False
-                        state = state_memory(costs, dt, base_modes, outer, depth, rounds, accs, outer_acc, world)
+                        state = state_memory(costs, dt, base_modes, outer, depth, rounds, accs, outer_acc, world,
+                                             speculative_step)
                         for o in offload_counts:
                             # o blocks offload their activations; the others step down a ladder
                             # keep -> selective -> recompute, one block a level (memory falls and
@@ -160,14 +163,15 @@ def solve(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, gpu_budget: int,
                                     lo = mid + 1
                             modes, acts = at(lo)
                             p = predict(costs, prof, dt, modes, acts, outer, depth, micro_batch, rounds, cpu_threads,
-                                        fudge, accs, outer_acc, world, node_ranks, memory(lo))
+                                        fudge, accs, outer_acc, world, node_ranks, memory(lo), speculative_step)
                             if best is None or p.step_s < best[0] - 1e-12:
                                 plan = Plan(modes, acts, outer, depth, micro_batch, costs.seq_len, rounds, cpu_threads,
                                             asdict(dt), gpu_budget, host_budget,
                                             _pred_dict(p, costs, micro_batch, rounds, prof), layer_gpu_acc=accs,
                                             outer_gpu_acc=outer_acc, world=world, node_ranks=node_ranks,
                                             activation_offload=offload_activations,
-                                            selective_recompute=selective_recompute)
+                                            selective_recompute=selective_recompute,
+                                            speculative_step=speculative_step)
                                 best = (p.step_s, plan)
                             if lo == 0:
                                 break  # nothing recomputed: offloading more only adds copies
@@ -310,6 +314,9 @@ def describe(plan: Plan, costs: ModelCosts) -> str:
     lines.append(f"  counts: {c}, recomputed {plan.layer_acts.count('recompute')}, selectively recomputed "
                  f"{plan.layer_acts.count('selective')}, activations offloaded {plan.layer_acts.count('offload')}, "
                  f"GPU grad accumulators {sum(accs[1:])}")
+    if plan.speculative_step:
+        lines.append("  CPU AdamW: speculative (each host block steps as its grads land in the backward; redone on "
+                     "clipped steps)")
     lines.append(f"  predicted step {pr['step_s'] * 1e3:.1f} ms, {pr['tokens_per_s']:.0f} tokens/s, MFU {100 * pr['mfu']:.1f}% "
                  f"({pr['useful_tflops']:.0f} TFLOP/s useful)")
     lines.append(f"  peak GPU {pr['peak_gpu_bytes'] / GiB:.2f} GiB of {plan.gpu_budget_bytes / GiB:.2f}; host "
