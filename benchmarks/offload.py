@@ -135,6 +135,9 @@ def all_rows(steps: int, shapes=("3B", "8B")) -> list[BenchRow]:
                              flame_args(s, steps, False), 420))
         rows.append(BenchRow(f"flame_{key}_offload_{s.cap_gib:g}GiB_compile", key, "flame", "offload",
                              f"the same with --training.compile", flame_args(s, steps, True), 420))
+        rows.append(BenchRow(f"flame_{key}_offload_{s.cap_gib:g}GiB_compile_speculative", key, "flame", "offload",
+                             "the same with --offload.speculative_step (CPU AdamW during the backward)",
+                             flame_args(s, steps, True) + ["--offload.speculative_step"], 420))
         for b in resident:
             rows.append(BenchRow(f"titan_{key}_resident_b{b}", key, "torchtitan", "resident",
                                  f"torchtitan llama3 {key}, {b} x {s.seq} x {seqs // b} accumulation, per-block "
