@@ -82,11 +82,14 @@ class StepCalibrator:
         if peak is None and torch.cuda.is_available():
             peak = torch.cuda.max_memory_allocated()
         rep = compare(self.plan, measured, peak)
-        cpu_adam_s = self.engine.reset_host_seconds().get("cpu_adam", 0.0) / (self.last - self.FIRST + 1)
+        host = self.engine.reset_host_seconds()
+        cpu_adam_s = host.get("cpu_adam", 0.0) / (self.last - self.FIRST + 1)
         cpu_scale = cpu_adam_scale(self.plan, self.costs, self.prof, cpu_adam_s)
         fudge, new = refit(self.plan, self.costs, self.prof, measured, self.overrides, self.depths, cpu_scale)
         rep["refit_compute_scale"] = fudge
         rep["measured_cpu_adam_s"] = cpu_adam_s
+        # where the host time of a step went (the CPU worker's jobs, the training thread's waits)
+        rep.update({f"host_{k}_s": v / (self.last - self.FIRST + 1) for k, v in sorted(host.items())})
         rep["refit_cpu_adam_scale"] = cpu_scale
         rep["replanned"] = new is not None and not same_decisions(new, self.plan)
         peak_txt = f"{peak / GiB:.2f} GiB" if peak is not None else "n/a (no GPU)"
