@@ -209,6 +209,7 @@ class OffloadEngine:
         if self._clip_coefficient is None:
             self._grad_norm(0.0)
         coef, self._clip_coefficient = self._clip_coefficient, None
+        self.optimizer.begin_step(coef)
         for u in self.units:
             if u.mode == "gpu" and not u.frozen:
                 self.optimizer.step_on_gpu(u, coef)

@@ -10,7 +10,8 @@ With `speculative` (the plan's `speculative_step`), a host unit's CPU step inste
 as its grads for the step are on the host, during the rest of the backward, unclipped and at the
 lr the next `step()` is expected to use; its master and moments are copied aside first. `finish`
 keeps that update when the step turns out unclipped at that lr, and otherwise restores the copy
-and steps again with the clip coefficient; a skipped step (`discard`) restores it. Either way the
+and steps again with the clip coefficient; a skipped step (`discard`) restores it. The step after
+a clipped or skipped one does not speculate. Either way the
 result is the non-speculative step's, bit for bit: the same fused AdamW on the same inputs. Clipping is folded into the fused
 AdamW (it divides the grads by `grad_scale`); weight decay is decoupled as in AdamW, with the
 no_decay parameters (norms, biases, embeddings) excluded as in the plain optimizer.
@@ -61,6 +62,9 @@ class HostOptimizer:
         self.units, self.worker = units, worker
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
         self.speculative = speculative  # host units step as their grads land (see the module doc)
+        # the last step clipped or was skipped: the next one runs the usual way (clipping comes in
+        # runs, early in training; a speculation there would only be redone)
+        self.last_step_redone = False
         # the lr the next step() will pass (the trainer's schedule); None: the last one used
         self.next_lr: Callable[[], float] | None = None
         self.no_decay = no_decay  # names of the parameters without weight decay
@@ -122,11 +126,15 @@ class HostOptimizer:
     def speculate(self, u: Unit) -> None:
         """`u`'s grads of the step are complete (on the host once their D2H ends): with
         speculation on, queue its unclipped step at the expected lr now."""
-        if not self.speculative or u.optimizer is None or u.mode == "gpu":
+        if not self.speculative or self.last_step_redone or u.optimizer is None or u.mode == "gpu":
             return
         lr = self.next_lr() if self.next_lr is not None else self.lr
         u.optimizer.speculated_lr = lr
         self._submit(u, self._speculative_step, lr)
+
+    def begin_step(self, coef: float) -> None:
+        """At step(), before `finish` of every unit: remember whether this step clipped."""
+        self.last_step_redone = coef != 1.0
 
     def finish(self, u: Unit, coef: float) -> None:
         """At step(): keep `u`'s speculative update when it is the step's (unclipped, the same lr),
@@ -142,6 +150,7 @@ class HostOptimizer:
 
     def discard(self, u: Unit) -> None:
         """The step is skipped: undo `u`'s speculative update (weights, moments, compute copy)."""
+        self.last_step_redone = self.speculative
         o = u.optimizer
         if o is None or o.speculated_lr is None:
             return
