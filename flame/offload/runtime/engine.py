@@ -230,8 +230,7 @@ class OffloadEngine:
 
     def _zero_all(self) -> None:
         self._clip_coefficient = None
-        for u in self.units:  # a skipped step: no speculative update may stay
-            self.optimizer.discard(u)
+        self.optimizer.discard_step()  # a skipped step: no speculative update may stay
         self.worker.wait()
         if self.cuda:  # no copy may still read or write the buffers zeroed here
             torch.cuda.synchronize()

@@ -10,11 +10,13 @@ With `speculative` (the plan's `speculative_step`), a host unit's CPU step inste
 as its grads for the step are on the host, during the rest of the backward, unclipped and at the
 lr the next `step()` is expected to use; its master and moments are copied aside first. `finish`
 keeps that update when the step turns out unclipped at that lr, and otherwise restores the copy
-and steps again with the clip coefficient; a skipped step (`discard`) restores it. The step after
-a clipped or skipped one does not speculate. Either way the
-result is the non-speculative step's, bit for bit: the same fused AdamW on the same inputs. Clipping is folded into the fused
-AdamW (it divides the grads by `grad_scale`); weight decay is decoupled as in AdamW, with the
-no_decay parameters (norms, biases, embeddings) excluded as in the plain optimizer.
+and steps again with the clip coefficient; a skipped step (`discard_step`) restores it. The step
+after a clipped or skipped one does not speculate. Either way the result is the usual step's, bit
+for bit: the same fused AdamW on the same inputs.
+
+Clipping is folded into the fused AdamW (it divides the grads by `grad_scale`); weight decay is
+decoupled as in AdamW, with the no_decay parameters (norms, biases, embeddings) excluded as in the
+plain optimizer.
 """
 
 from __future__ import annotations
@@ -148,14 +150,14 @@ class HostOptimizer:
         if not kept:
             self._submit(u, self._redo_step, coef, self.lr)
 
-    def discard(self, u: Unit) -> None:
-        """The step is skipped: undo `u`'s speculative update (weights, moments, compute copy)."""
+    def discard_step(self) -> None:
+        """The step is skipped: undo every speculative update (weights, moments, compute copy)."""
         self.last_step_redone = self.speculative
-        o = u.optimizer
-        if o is None or o.speculated_lr is None:
-            return
-        o.speculated_lr = None
-        self._submit(u, self._undo)
+        for u in self.units:
+            o = u.optimizer
+            if o is not None and o.speculated_lr is not None:
+                o.speculated_lr = None
+                self._submit(u, self._undo)
 
     def _speculative_step(self, u: Unit, lr: float, upload_read_done, done) -> None:
         try:
