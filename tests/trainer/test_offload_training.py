@@ -66,6 +66,13 @@ def test_speculative_cpu_steps_equal_the_usual_ones(six_steps, tmp_path):
     assert losses(spec) == losses(off)
     norms = [[r["grad_norm"] for r in metrics(d) if "loss" in r] for d in (off, spec)]
     assert norms[0] == norms[1]
+    # unclipped steps keep their speculation: the adapter gives the engine the schedule's lr of the
+    # step (it changes every step in the warmup), so nothing is redone (steps 3-5, the calibration's)
+    unclipped = str(tmp_path / "unclipped")
+    run_job(1, unclipped, "--training.steps", "6", *COMMON, *OFFLOAD, "--offload.speculative_step",
+            "--training.max_norm", "100")
+    report = next(r for r in metrics(unclipped) if "offload/host_speculative_backup_s" in r)
+    assert "offload/host_speculative_rollback_s" not in report
 
 
 def test_plain_checkpoint_resumes_with_offload(six_steps, tmp_path):
