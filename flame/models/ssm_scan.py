@@ -62,38 +62,43 @@ def _selective_scan(x, dt, A, B, C, chunk_len):
     L = chunk_len or default_chunk_len(seq_len)
     chunks = -(-seq_len // L)
     pad = chunks * L - seq_len
-    x, dt = _pad_time(x, 2, pad), _pad_time(dt, 2, pad)
-    B, C = _pad_time(B, 1, pad), _pad_time(C, 1, pad)
-    dt = dt.view(batch, channels, chunks, L)
-    B = B.view(batch, 1, chunks, L, -1)
-    C = C.view(batch, 1, chunks, L, -1)
 
-    # (batch, channels, chunks, L, state): log-decay per step and its running sum within the chunk
-    log_decay = dt[..., None] * A[None, :, None, None, :]
-    decay = log_decay.exp()
-    decay_since_start = log_decay.cumsum(dim=3).exp()  # products of the chunk's decays up to t
-    inputs = (dt * x.view(batch, channels, chunks, L))[..., None] * B
+    # layout (L, chunks, batch, channels[, state]): the steps of both loops are contiguous leading
+    # slices (unbind), whose gradients autograd stacks once instead of scattering into a
+    # full-size zero tensor per step
+    def steps_first(t, time_dim):  # (batch, [channels,] T, ...) -> (L, chunks, batch, ...)
+        t = _pad_time(t, time_dim, pad)
+        t = t.unflatten(time_dim, (chunks, L))
+        return t.movedim((time_dim + 1, time_dim), (0, 1)).contiguous()
+
+    dt, x = steps_first(dt, 2), steps_first(x, 2)  # (L, chunks, batch, channels)
+    B, C = (steps_first(t, 1)[:, :, :, None] for t in (B, C))  # (L, chunks, batch, 1, state)
+
+    # (L, chunks, batch, channels, state): each step's decay, and the product of the chunk's decays
+    # up to it (A does not depend on t, so the running sum of dt A is the running sum of dt times A)
+    decay = (dt[..., None] * A).exp()
+    decay_since_start = (dt.cumsum(dim=0)[..., None] * A).exp()
+    inputs = (dt * x)[..., None] * B
 
     # 1. every chunk from a zero state, all chunks at once
-    state = x.new_zeros(batch, channels, chunks, A.shape[-1])
+    state = x.new_zeros(decay.shape[1:])
     outputs = []
-    for t in range(L):
-        state = decay[:, :, :, t] * state + inputs[:, :, :, t]
-        outputs.append((state * C[:, :, :, t]).sum(-1))
-    y = torch.stack(outputs, dim=-1)  # (batch, channels, chunks, L)
+    for decay_t, inputs_t, C_t in zip(decay.unbind(0), inputs.unbind(0), C.unbind(0)):
+        state = torch.addcmul(inputs_t, decay_t, state)
+        outputs.append((state * C_t).sum(-1))
+    y = torch.stack(outputs)  # (L, chunks, batch, channels)
 
     # 2. the true state at each chunk's start, carried across chunks
-    chunk_decay = decay_since_start[:, :, :, -1]
-    carried = x.new_zeros(batch, channels, A.shape[-1])
+    carried = x.new_zeros(state.shape[1:])
     starts = []
-    for k in range(chunks):
+    for chunk_decay, chunk_state in zip(decay_since_start[-1].unbind(0), state.unbind(0)):
         starts.append(carried)
-        carried = chunk_decay[:, :, k] * carried + state[:, :, k]
-    starts = torch.stack(starts, dim=2)  # (batch, channels, chunks, state)
+        carried = torch.addcmul(chunk_state, chunk_decay, carried)
+    starts = torch.stack(starts)  # (chunks, batch, channels, state)
 
     # 3. each position reads its chunk-start state, decayed to it
-    y = y + torch.einsum('bdkln,bdkn->bdkl', decay_since_start * C, starts)
-    return y.reshape(batch, channels, chunks * L)[..., :seq_len], carried
+    y = y + torch.einsum('lkbdn,kbdn->lkbd', decay_since_start * C, starts)
+    return y.permute(2, 3, 1, 0).reshape(batch, channels, chunks * L)[..., :seq_len], carried
 
 
 def segment_log_decay(log_decay: torch.Tensor) -> torch.Tensor:
