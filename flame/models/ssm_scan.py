@@ -74,19 +74,18 @@ def _selective_scan(x, dt, A, B, C, chunk_len):
     dt, x = steps_first(dt, 2), steps_first(x, 2)  # (L, chunks, batch, channels)
     B, C = (steps_first(t, 1)[:, :, :, None] for t in (B, C))  # (L, chunks, batch, 1, state)
 
-    # (L, chunks, batch, channels, state): each step's decay, and the product of the chunk's decays
-    # up to it (A does not depend on t, so the running sum of dt A is the running sum of dt times A)
-    decay = (dt[..., None] * A).exp()
-    decay_since_start = (dt.cumsum(dim=0)[..., None] * A).exp()
-    inputs = (dt * x)[..., None] * B
-
-    # 1. every chunk from a zero state, all chunks at once
-    state = x.new_zeros(decay.shape[1:])
+    # 1. every chunk from a zero state, all chunks at once; each step's decay and input are formed
+    # inside the step, so no (time, channels, state) tensor of them (or of their gradients) exists
+    state = x.new_zeros(chunks, batch, channels, A.shape[-1])
     outputs = []
-    for decay_t, inputs_t, C_t in zip(decay.unbind(0), inputs.unbind(0), C.unbind(0)):
-        state = torch.addcmul(inputs_t, decay_t, state)
+    for dt_t, x_t, B_t, C_t in zip(dt.unbind(0), x.unbind(0), B.unbind(0), C.unbind(0)):
+        state = torch.addcmul((dt_t * x_t)[..., None] * B_t, (dt_t[..., None] * A).exp(), state)
         outputs.append((state * C_t).sum(-1))
     y = torch.stack(outputs)  # (L, chunks, batch, channels)
+
+    # the product of each chunk's decays up to each step (A does not depend on t: the running sum
+    # of dt A is the running sum of dt times A), all factors <= 1
+    decay_since_start = (dt.cumsum(dim=0)[..., None] * A).exp()  # (L, chunks, batch, channels, state)
 
     # 2. the true state at each chunk's start, carried across chunks
     carried = x.new_zeros(state.shape[1:])
