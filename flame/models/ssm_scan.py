@@ -19,6 +19,7 @@ matmuls too. The largest intermediates are (batch, chunks, heads, L, L) and
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -28,6 +29,14 @@ import torch.nn.functional as F
 def default_chunk_len(seq_len: int) -> int:
     """The chunk length that about minimizes the Python steps (L + T / L) of ``selective_scan``."""
     return max(1, round(math.sqrt(seq_len)))
+
+
+def _autocast_off(device_type: str):
+    """Autocast disabled on ``device_type``; nothing to disable where autocast does not exist (the
+    meta device, on which the offload planner runs models)."""
+    if torch.amp.is_autocast_available(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def _compute_dtype(*tensors: torch.Tensor) -> list[torch.Tensor]:
@@ -53,7 +62,7 @@ def selective_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.
     B, C: (batch, T, state). Returns y (batch, channels, T) and the state after the last position
     (batch, channels, state), in the compute dtype.
     """
-    with torch.autocast(x.device.type, enabled=False):
+    with _autocast_off(x.device.type):
         return _selective_scan(*_compute_dtype(x, dt, A, B, C), chunk_len)
 
 
@@ -120,7 +129,7 @@ def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
     group i // (heads / groups)). Returns y (batch, T, heads, head_dim) and the final state
     (batch, heads, head_dim, state), in the compute dtype.
     """
-    with torch.autocast(x.device.type, enabled=False):
+    with _autocast_off(x.device.type):
         return _ssd_scan(*_compute_dtype(x, dt, A, B, C), chunk_size)
 
 

@@ -113,6 +113,16 @@ def test_scans_compute_in_float32_for_bfloat16_inputs_under_autocast():
     torch.testing.assert_close(y.double(), stepwise_ssd(*[t.double() for t in inputs])[0], rtol=1e-5, atol=1e-5)
 
 
+def test_scans_run_on_the_meta_device():
+    """The offload planner runs models on meta (no autocast there): shapes and dtypes only."""
+    inputs = [t.detach().to('meta', torch.bfloat16) for t in _mamba_inputs(0, 2, 6, 5, 20)]
+    y, state = selective_scan(*inputs)
+    assert (y.shape, state.shape, y.dtype, y.device.type) == ((2, 6, 20), (2, 6, 5), torch.float32, 'meta')
+    inputs = [t.detach().to('meta', torch.bfloat16) for t in _ssd_inputs(0, 2, 4, 3, 2, 5, 20)]
+    y, state = ssd_scan(*inputs, 8)
+    assert (y.shape, state.shape, y.dtype, y.device.type) == ((2, 20, 4, 3), (2, 4, 3, 5), torch.float32, 'meta')
+
+
 @pytest.mark.parametrize('backend', ['aot_eager', pytest.param('inductor', marks=pytest.mark.slow)])
 def test_scans_compile_to_one_graph_with_the_same_values(backend):
     torch._dynamo.reset()
