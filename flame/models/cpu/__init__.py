@@ -6,7 +6,9 @@ CPU tensors take flame's torch code, any other device calls the original FLA fun
 through :func:`prepare_model_build`, ``flame.generate``, the offload planner's meta measurements).
 
 Covered model families (forward + backward, float32 and bfloat16, tested in tests/models):
-``gla, delta_net, gated_deltanet, gsa, hgrn2, mamba, mamba2, samba``.
+``gla, delta_net, gated_deltanet, gsa, hgrn2, mamba, mamba2, samba``. Mamba and Mamba2 layers run
+FLA's torch paths with flame's chunked scans in place of FLA's (``flame.models.fla_mamba``, on
+every device when mamba_ssm is absent); they need only the norms and the conv from this package.
 Not covered: ``reverse=True`` recurrences, value-dim gates in the delta rule, vocab-parallel and
 context-parallel kernels, FLA's ``use_attnres`` (``fused_attnres``), and FLA families whose layers use
 other Triton ops than the ones listed in ``FUNCTION_PATCHES`` (they still fail on CPU with
@@ -20,6 +22,7 @@ import importlib
 from flame.models.cpu import modules as M
 from flame.models.cpu import ops as O
 from flame.models.cpu.patch import MARK, patch_functions_everywhere, patch_method, unpatch_everywhere, unpatch_method
+from flame.models.fla_mamba import install_chunked_scans
 
 CPU_FAMILIES = ('gla', 'delta_net', 'gated_deltanet', 'gsa', 'hgrn2', 'mamba', 'mamba2', 'samba')
 
@@ -73,6 +76,7 @@ def enable_cpu_fallbacks(model=None) -> dict:
     patch_method(FusedLinearCrossEntropyLoss, 'forward', M.fused_linear_cross_entropy_forward_cpu)
 
     install_attention_standins()
+    install_chunked_scans()
     _state['enabled'] = True
     return report
 
@@ -91,12 +95,14 @@ def install_attention_standins() -> bool:
 
 def prepare_model_build(device_type: str) -> None:
     """What building an FLA model needs before its constructors run: the flash-attn stand-ins
-    (hybrid layers check for flash-attn at construction) and, for a model that will run on CPU,
-    the CPU dispatchers (layers bind some functions at construction)."""
+    (hybrid layers check for flash-attn at construction), flame's chunked Mamba/Mamba2 scans when
+    mamba_ssm is absent and, for a model that will run on CPU, the CPU dispatchers (layers bind
+    some functions at construction)."""
     if device_type == 'cpu':
         enable_cpu_fallbacks()
     else:
         install_attention_standins()
+        install_chunked_scans()
 
 
 def cpu_fallbacks_enabled() -> bool:
