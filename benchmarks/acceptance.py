@@ -245,20 +245,23 @@ def _with_config(args: list[str], path: str) -> list[str]:
     return out
 
 
-def records(path: str) -> list[dict]:
-    """The step records (those with a loss) of a metrics.jsonl, skipping a line being written."""
+def metric_lines(path: str) -> list[dict]:
+    """Every record of a metrics.jsonl, skipping a line being written."""
     if not os.path.isfile(path):
         return []
     out = []
     with open(path) as f:
         for line in f:
             try:
-                rec = json.loads(line)
+                out.append(json.loads(line))
             except json.JSONDecodeError:  # a line being written
                 continue
-            if "loss" in rec:
-                out.append(rec)
     return out
+
+
+def records(path: str) -> list[dict]:
+    """The step records (those with a loss) of a metrics.jsonl."""
+    return [rec for rec in metric_lines(path) if "loss" in rec]
 
 
 def run_in_group(cmd: list[str], env: dict, log_path: str, cap_s: float, started=None) -> tuple:

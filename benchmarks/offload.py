@@ -44,7 +44,7 @@ ROOT = os.path.dirname(HERE)
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-from acceptance import commit, device_info, gpu_slots, records, run_in_group, versions, write_markdown  # noqa: E402
+from acceptance import commit, device_info, gpu_slots, metric_lines, records, run_in_group, versions, write_markdown  # noqa: E402
 
 TOML = os.path.join(ROOT, "flame/models/fla.toml")
 TOKENIZER = os.path.join(ROOT, "flame/assets/tokenizer")
@@ -191,16 +191,7 @@ def planner_report(console: str) -> dict:
 
 def offload_scalars(metrics_path: str) -> dict:
     """The offload calibration's scalars (``offload/*``) of a flame run's metrics.jsonl."""
-    out = {}
-    if os.path.isfile(metrics_path):
-        with open(metrics_path) as f:
-            for line in f:
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                out.update({k: v for k, v in rec.items() if k.startswith("offload/")})
-    return out
+    return {k: v for rec in metric_lines(metrics_path) for k, v in rec.items() if k.startswith("offload/")}
 
 
 def summarize(steps: list[dict]) -> dict:

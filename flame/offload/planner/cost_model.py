@@ -537,7 +537,7 @@ def predict(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, layer_modes, l
     # The weights' H2D reads are left out of this term: beside them alone the AdamW's rate stays
     # within its step-to-step spread; activations copied to the host in bulk slow it measurably.
     slow = cpu_contention(prof, dt, cpu_rate, sum(off), phases[0])
-    if slow > 1.0 and not speculative:
+    if slow > 1.0:  # (speculative: no CPU work in the forward, nothing changes)
         cpu_t = [t * slow for t in cpu_t]
         phases[0] = _flow([(a * slow, b, cc, d) for a, b, cc, d in fw0], depth, gates)
     total = sum(phases)

@@ -126,9 +126,9 @@ class HostOptimizer:
 
     # ------------------------------------------------------------------ speculative steps
     def speculate(self, u: Unit) -> None:
-        """`u`'s grads of the step are complete (on the host once their D2H ends): with
-        speculation on, queue its unclipped step at the expected lr now."""
-        if not self.speculative or self.last_step_redone or u.optimizer is None or u.mode == "gpu":
+        """`u`'s grads of the step are complete (on the host once their D2H ends): queue its
+        unclipped step at the expected lr now (the engine calls this only with speculation on)."""
+        if self.last_step_redone or u.optimizer is None or u.mode == "gpu":
             return
         lr = self.next_lr() if self.next_lr is not None else self.lr
         u.optimizer.speculated_lr = lr
