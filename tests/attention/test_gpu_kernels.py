@@ -172,8 +172,8 @@ def test_compiled_matches_eager_and_float64(mode, varlen):
 @pytest.mark.parametrize("attn_impl", ["parallel_attn", "parallel_softpick_attn", "parallel_rectified_attn",
                                        "parallel_scaled_softpick_attn"])
 def test_transformer_blocks_compiled(attn_impl):
-    """Every block compiled on its own (as --training.compile does), varlen: logits and weight
-    gradients as uncompiled."""
+    """Every block compiled on its own (as --training.compile does), varlen, bf16 autocast: logits
+    and weight gradients as accurate as uncompiled, both measured against the float32 run."""
     from flame.models.transformer import TransformerConfig, TransformerForCausalLM
 
     torch.manual_seed(5)
@@ -186,11 +186,14 @@ def test_transformer_blocks_compiled(attn_impl):
         model.model.layers[i] = torch.compile(block)
     x = torch.randint(0, 512, (1, 600), device="cuda")
     cu = torch.tensor([0, 250, 251, 600], device="cuda", dtype=torch.int32)
-    out = []
-    for m in (ref_model, model):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+
+    def run(m, autocast):
+        m.zero_grad()
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
             logits = m(input_ids=x, cu_seqlens=cu, max_seqlen=349).logits.float()
         logits.square().mean().backward()
-        out.append([logits] + [p.grad for p in m.parameters()])
-    for i, (a, b) in enumerate(zip(*out)):
-        assert rel(a, b) <= 1e-2, (attn_impl, i, rel(a, b))
+        return [logits.detach()] + [p.grad.clone() for p in m.parameters()]
+
+    fp32, eager, compiled = run(ref_model, False), run(ref_model, True), run(model, True)
+    for i, (r, e, c) in enumerate(zip(fp32, eager, compiled)):
+        assert rel(c, r) <= 1.5 * rel(e, r) + 2e-3, (attn_impl, i, rel(c, r), rel(e, r))

@@ -39,6 +39,15 @@ def _no_cache(kwargs: dict) -> dict:
     return out
 
 
+def _checkpointed_module(block: nn.Module, mode: str) -> nn.Module:
+    """The module whose forward a checkpoint wraps. A selectively recomputed block compiled on its
+    own (`--training.compile`) gets the checkpoint inside the compiled graph, the order torch
+    supports: around compiled code, the selective policy's dispatch mode receives the graph's
+    random-state operators (SDPA's) and refuses them."""
+    orig = getattr(block, "_orig_mod", None)  # torch.compile's OptimizedModule
+    return orig if mode == "selective" and isinstance(orig, nn.Module) else block
+
+
 class ModelHooks:
     def __init__(self, model: nn.Module, blocks: list[nn.Module], units: list[Unit], schedule: WeightSchedule,
                  gradients: Gradients, pinned: PinnedBuffers, device: torch.device):
@@ -65,8 +74,9 @@ class ModelHooks:
             ckpt = {"recompute": partial(checkpoint, use_reentrant=False),
                     "selective": selective_checkpoint}.get(u.activation_mode)
             if ckpt is not None:
-                b.forward = lambda *a, _f=b.forward, _c=ckpt, **k: _c(_f, *a, **_no_cache(k))
-                self._wrapped.append(b)
+                inner = _checkpointed_module(b, u.activation_mode)
+                inner.forward = lambda *a, _f=inner.forward, _c=ckpt, **k: _c(_f, *a, **_no_cache(k))
+                self._wrapped.append(inner)
         for u in self.units:
             for _, p in ([] if u.frozen else u.params):
                 h.append(p.register_post_accumulate_grad_hook(self._weak_unit_call(ModelHooks._grad_arrived, u)))
