@@ -138,6 +138,10 @@ def all_rows(steps: int, shapes=("3B", "8B")) -> list[BenchRow]:
         rows.append(BenchRow(f"flame_{key}_offload_{s.cap_gib:g}GiB_compile_speculative", key, "flame", "offload",
                              "the same with --offload.speculative_step (CPU AdamW during the backward)",
                              flame_args(s, steps, True) + ["--offload.speculative_step"], 420))
+        rows.append(BenchRow(f"flame_{key}_offload_{s.cap_gib:g}GiB_compile_speculative_noclip", key, "flame", "offload",
+                             "the same without clipping (--training.max_norm 0): the speed of steps that do not clip, "
+                             "which keep their speculative update",
+                             flame_args(s, steps, True) + ["--offload.speculative_step", "--training.max_norm", "0"], 420))
         for b in resident:
             rows.append(BenchRow(f"titan_{key}_resident_b{b}", key, "torchtitan", "resident",
                                  f"torchtitan llama3 {key}, {b} x {s.seq} x {seqs // b} accumulation, per-block "
@@ -252,6 +256,8 @@ def run_bench_row(row: BenchRow, runs: str, cap_s: float, gpu: str | None = None
         out.update(pr)
         # where the step's time goes, for the findings: the calibration's scalars and the planner's log
         out["offload_report"] = offload_scalars(metrics)
+        # clipped steps (norm above --training.max_norm) redo a speculative CPU step
+        out["grad_norms"] = [round(r["grad_norm"], 3) for r in steps if isinstance(r.get("grad_norm"), (int, float))]
         out["offload_log"] = [line.split(" - ", 3)[-1] for line in ANSI.sub("", console).splitlines()
                               if "flame.offload" in line][-40:]
         if pr and out["step_s"]:

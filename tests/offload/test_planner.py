@@ -707,3 +707,22 @@ def test_speculative_step_by_hand(costs):
     spec = solve(costs, prof(), Dtypes(), **budget, speculative_step=True)
     assert spec.speculative_step and spec.predicted["peak_host_bytes"] <= 64 * GiB
     assert not solve(costs, prof(), Dtypes(), **budget).speculative_step
+
+
+def test_one_pass_cpu_adamw_by_hand():
+    """A profile measured with flame's one-pass CPU AdamW: the measured rate is the whole host
+    step (no separate compute copy), and a speculative step copies nothing aside; its spare
+    master is pinned when it takes turns as the compute copy (bf16 master)."""
+    lay = UnitCosts("l", "layer", 10**9, {}, 1e12, 0.0, 0, 0, 0)
+    out = UnitCosts("outer", "outer", 0, {}, 0.0, 0.0, 0, 0, 0)
+    c = ModelCosts(1, 1, [lay, out], "L")
+    p = prof(cpu_adam_one_pass=True)
+    cpu = 1e9 / 4e9
+    h2d, fwd, bwd, d2h = 2e9 / 50e9, 1e12 / 500e12, 2e12 / 500e12, 4e9 / (70e9 * 0.5)
+    pr = predict(c, p, Dtypes(), ["stream"], ["keep"], "gpu", 1, 1, 1, 15, speculative=True)
+    assert pr.phase_s == pytest.approx([h2d + fwd, bwd + d2h + cpu, 0.0])
+    assert pr.cpu_s == pytest.approx(cpu)
+    bf16 = Dtypes(master="bfloat16", moment="bfloat16", grad="bfloat16")
+    plain_host, plain_pinned = unit_host_bytes(lay, "stream", bf16)
+    host, pinned = unit_host_bytes(lay, "stream", bf16, speculative=True)
+    assert host - plain_host == 1e9 * (2 + 4) and pinned - plain_pinned == 1e9 * 2

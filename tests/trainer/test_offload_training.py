@@ -71,8 +71,8 @@ def test_speculative_cpu_steps_equal_the_usual_ones(six_steps, tmp_path):
     unclipped = str(tmp_path / "unclipped")
     run_job(1, unclipped, "--training.steps", "6", *COMMON, *OFFLOAD, "--offload.speculative_step",
             "--training.max_norm", "100")
-    report = next(r for r in metrics(unclipped) if "offload/host_speculative_backup_s" in r)
-    assert "offload/host_speculative_rollback_s" not in report
+    report = next(r for r in metrics(unclipped) if "offload/host_speculative_commit_s" in r)
+    assert "offload/host_speculative_discarded_s" not in report
 
 
 def test_plain_checkpoint_resumes_with_offload(six_steps, tmp_path):

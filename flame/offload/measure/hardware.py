@@ -17,6 +17,7 @@ from flame.errors import ConfigError
 from flame.offload.measure.timer import seconds_per_call
 from flame.offload.planner.hardware import HardwareProfile, save
 from flame.offload.runtime.collectives import all_gather_flat, comm_device, reduce_scatter_flat
+from flame.ops import cpu_adamw
 
 def _host_total_bytes() -> int:
     try:
@@ -52,13 +53,36 @@ def adam_bench(numel: int, dtype, grad_scale: bool = True):
     return p, opt, run
 
 
+def one_pass_bench(numel: int, dtype):
+    """The engine's host step with flame's one-pass kernel: `numel` random parameters with master
+    and moments in `dtype`, bf16 grads scaled as by clipping, and (fp32 master) the bf16 compute
+    copy written in the same pass. Returns run(threads, steps) -> G params/s."""
+    g = torch.Generator().manual_seed(0)
+    p = torch.randn(numel, generator=g).mul_(0.02).to(dtype)
+    grad = torch.randn(numel, generator=g).mul_(1e-4).to(torch.bfloat16)
+    m, v = torch.zeros_like(p), torch.zeros_like(p)
+    copy = torch.empty(numel, dtype=torch.bfloat16) if dtype != torch.bfloat16 else None
+    hp = dict(lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, grad_mul=0.5, compute_copy=copy)
+    cpu_adamw.adamw(p, grad, m, v, step=1, threads=len(os.sched_getaffinity(0)), **hp)  # first touch
+
+    def run(threads: int, steps: int) -> float:
+        cpu_adamw.adamw(p, grad, m, v, step=2, threads=threads, **hp)
+        t0 = time.perf_counter()
+        for i in range(steps):
+            cpu_adamw.adamw(p, grad, m, v, step=3 + i, threads=threads, **hp)
+        return numel * steps / (time.perf_counter() - t0) / 1e9
+
+    return run
+
+
 def measure_cpu_adam(threads_list=None, numel: int = 1 << 27, dtype=torch.float32, steps: int = 3) -> dict[str, float]:
-    """Fused CPU AdamW rate in G params/s for each thread count (runs on any machine). 128M
+    """The host step's rate in G params/s for each thread count (runs on any machine): flame's
+    one-pass kernel where it builds (`cpu_adamw.available()`), else torch's fused AdamW. 128M
     parameters: on the H100 host 64M-element bf16 runs measured 0.7x of the 218M-element blocks of
     an 8B model (benchmarks/cpu_adam.py)."""
     cores = len(os.sched_getaffinity(0))
     threads_list = threads_list or sorted({1, max(1, cores // 2), max(1, cores - 1), cores})
-    _, _, run = adam_bench(numel, dtype)
+    run = one_pass_bench(numel, dtype) if cpu_adamw.available() else adam_bench(numel, dtype)[2]
     return {str(t): run(t, steps) for t in threads_list}
 
 
@@ -168,6 +192,7 @@ def measure(gemm_shapes: list[tuple[int, int, int]] | None = None, device: str =
         gpu_adam_gparams=gpu_adam,
         pin_s_per_gib=pin_s,
         cpu_adam_bf16_gparams=measure_cpu_adam(dtype=bf),
+        cpu_adam_one_pass=cpu_adamw.available(),
         cuda_context_bytes=outside_allocator_bytes(dev),
     )
 

@@ -172,7 +172,7 @@ def grad_conversion_bytes(dt: Dtypes) -> int:
 
 
 def speculative_backup_bytes(dt: Dtypes) -> int:
-    """Bytes per trained parameter a speculative CPU step copies aside: master and moments."""
+    """Bytes per trained parameter of a speculative unit's spare master and moments."""
     return DTYPE_BYTES[dt.master] + dt.moments
 
 
@@ -185,14 +185,16 @@ def unit_host_bytes(u: UnitCosts, mode: str, dt: Dtypes, rounds: int = 1, gpu_ac
     n, t = shard_numel(u.numel, world), shard_numel(u.trainable_numel, world)
     g = DTYPE_BYTES[dt.grad]
     backup = t * speculative_backup_bytes(dt) if speculative else 0
+    # a spare master that takes turns with the master as the pinned compute copy is pinned too
+    spare_pinned = t * dt.c if speculative and not dt.master_extra else 0
     if rounds == 1 or gpu_acc:
         # pinned: compute copy the GPU streams from (the master itself when dtypes match) + the
         # grad accumulator the D2H writes into directly (once per step)
-        pinned = n * dt.c + t * g
-        return pinned + t * (dt.master_extra + dt.moments) + backup, pinned
+        pinned = n * dt.c + t * g + spare_pinned
+        return pinned - spare_pinned + t * (dt.master_extra + dt.moments) + backup, pinned
     # rounds > 1: grads arrive in compute dtype into a pinned staging buffer, added on the CPU
-    pinned = n * dt.c + t * dt.c
-    return pinned + t * (dt.master_extra + g + dt.moments) + backup, pinned
+    pinned = n * dt.c + t * dt.c + spare_pinned
+    return pinned - spare_pinned + t * (dt.master_extra + g + dt.moments) + backup, pinned
 
 
 @dataclass
@@ -417,7 +419,7 @@ def predict(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, layer_modes, l
     grads of host units accumulated on the GPU over the rounds, sent to the host once a step),
     per rank of `world` data-parallel ranks (host units sharded; bytes are one rank's), `node_ranks`
     of which share this machine's CPUs for their optimizers. `speculative`: host units' CPU steps
-    run in the last backward as their grads land (after a copy of master and moments), unclipped;
+    run in the last backward as their grads land (into spare buffers), unclipped;
     steps that clip redo them, which this steady-state prediction leaves out."""
     scale = micro_batch / costs.micro_batch
     layers, outer = costs.layers, costs.outer
@@ -448,14 +450,16 @@ def predict(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, layer_modes, l
     # master-dtype buffer first. Each conversion is one copy op: its bytes read + written move at
     # twice the profile's memcpy rate (which counts the bytes copied): a dtype conversion reads
     # and writes at about that rate on a host whose memcpy rate was measured.
-    conv = dt.master_extra and (dt.master_extra + c)
-    gconv = grad_conversion_bytes(dt)
+    # flame's one-pass kernel (a profile measured with it) does all of it in the measured pass.
+    conv = 0 if prof.cpu_adam_one_pass else dt.master_extra and (dt.master_extra + c)
+    gconv = 0 if prof.cpu_adam_one_pass else grad_conversion_bytes(dt)
     host_acc = [m != "gpu" and rounds > 1 and not a for m, a in zip(modes, accs)]
     cpu_t = [n / cpu_rate + n * (conv + gconv) / (2 * memcpy) if m != "gpu" else 0.0 for n, m in zip(tn, modes)]
-    # speculative: the same CPU work plus the copy aside of master and moments, queued on the CPU
-    # worker after the unit's last D2H of the step instead of gating its next forward
-    spec_t = [t + n * speculative_backup_bytes(dt) / memcpy if speculative and m != "gpu" else 0.0
-              for t, n, m in zip(cpu_t, tn, modes)]
+    # speculative: the same CPU work, queued on the CPU worker after the unit's last D2H of the
+    # step instead of gating its next forward; the one-pass kernel writes the spare buffers in its
+    # pass, torch's in-place fused AdamW needs master and moments copied there first
+    backup = 0 if prof.cpu_adam_one_pass else speculative_backup_bytes(dt)
+    spec_t = [t + n * backup / memcpy if speculative and m != "gpu" else 0.0 for t, n, m in zip(cpu_t, tn, modes)]
     gate_t = [0.0 if speculative else t for t in cpu_t]
     # host accumulation, every micro-batch after the unit's D2H, on the CPU worker: the first
     # copies the staged grads (read c, write g bytes/param), the others add: same dtype read c,

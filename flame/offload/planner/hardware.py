@@ -48,6 +48,11 @@ class HardwareProfile:
     cpu_adam_bf16_gparams: dict[str, float] = field(default_factory=dict)
     """Fused CPU AdamW rate with bf16 params, grads and moments (half the bytes of fp32), per
     thread count; empty in profiles stored before it was measured (the fp32 rate is used then)."""
+    cpu_adam_one_pass: bool = False
+    """The CPU AdamW rates were measured with flame's one-pass kernel (`flame.ops.cpu_adamw`: bf16
+    grads read and the bf16 compute copy written in the same pass), as the engine runs it when the
+    kernel builds; False in profiles measured with torch's fused AdamW, whose grad conversion and
+    compute copy are separate passes."""
     cuda_context_bytes: int = 0
     """Device memory in use outside torch's caching allocator once the profile's kernels ran
     (CUDA context, loaded kernel modules, library handles; other processes on the GPU count too);

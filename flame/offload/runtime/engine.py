@@ -55,7 +55,7 @@ from flame.offload.runtime.memory import device_bytes
 from flame.offload.runtime.schedule import WeightSchedule
 from flame.offload.runtime.state_dict import EngineStateDict
 from flame.offload.runtime.streams import PIN_PIECE_BYTES, PinnedBuffers, Streams
-from flame.offload.runtime.units import Unit
+from flame.offload.runtime.units import Unit, same_tensor
 from flame.offload.runtime.worker import CpuWorker
 
 DT = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -170,7 +170,15 @@ class OffloadEngine:
         if self.cuda:
             # page-lock in the background while the GPU side is set up; joined before the first forward
             self.pinned.register_in_background([t for u in self.units if u.mode != "gpu"
-                                                for t in (u.weights.host, u.grads.staging) if t is not None])
+                                                for t in (u.weights.host, u.grads.staging, self._spare_host(u))
+                                                if t is not None])
+
+    @staticmethod
+    def _spare_host(u) -> torch.Tensor | None:
+        """A speculative unit's spare master when the master is its pinned compute copy: the two
+        take turns as the H2D source, so both are page-locked."""
+        o = u.optimizer
+        return o.spare[0] if o is not None and o.spare is not None and same_tensor(u.weights.host, o.master) else None
 
     # ------------------------------------------------------------------ optimizer
     def reset_host_seconds(self) -> dict[str, float]:

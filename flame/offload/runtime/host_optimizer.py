@@ -3,20 +3,22 @@ GPU (gpu units) or on the CPU worker (host units) and clipping by the global gra
 non-finite norm is kept as it is: the engine's `optimizer_step` and the trainer skip that step).
 
 A host unit's CPU step starts once the step's grad norm is known and runs while the GPU goes on
-with the next forward: it writes the new compute copy into the unit's pinned host copy, and the
-schedule waits for it (`wait_for`) before that unit's next H2D.
+with the next forward: one pass of `flame.ops.cpu_adamw` reads the master, moments and grads and
+writes the new master, moments and compute copy (into the unit's pinned host copy); the schedule
+waits for it (`wait_for`) before that unit's next H2D. Without a C compiler, torch's fused CPU
+AdamW does the same in separate passes.
 
 With `speculative` (the plan's `speculative_step`), a host unit's CPU step instead starts as soon
 as its grads for the step are on the host, during the rest of the backward, unclipped and at the
-lr the next `step()` is expected to use; its master and moments are copied aside first. `finish`
-keeps that update when the step turns out unclipped at that lr, and otherwise restores the copy
-and steps again with the clip coefficient; a skipped step (`discard_step`) restores it. The step
-after a clipped or skipped one does not speculate. Either way the result is the usual step's, bit
-for bit: the same fused AdamW on the same inputs.
+lr the next `step()` is expected to use, and writes into a spare set of master and moment
+buffers, leaving the state as it was. `finish` makes the spare buffers the state (a swap) when
+the step turns out unclipped at that lr, and otherwise steps again from the untouched state with
+the clip coefficient; a skipped step (`discard_step`) only restores a separate compute copy. The
+step after a clipped or skipped one does not speculate. Either way the result is the usual
+step's, bit for bit: the same kernel on the same inputs.
 
-Clipping is folded into the fused AdamW (it divides the grads by `grad_scale`); weight decay is
-decoupled as in AdamW, with the no_decay parameters (norms, biases, embeddings) excluded as in the
-plain optimizer.
+Clipping scales the grads inside the kernel; weight decay is decoupled as in AdamW, with the
+no_decay parameters (norms, biases, embeddings) excluded as in the plain optimizer.
 """
 
 from __future__ import annotations
@@ -27,10 +29,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+import logging
+
 import torch
 import torch.nn as nn
 
 from flame.offload.runtime.units import Unit, same_tensor, set_event
+from flame.ops import cpu_adamw
+
+logger = logging.getLogger(__name__)
 from flame.offload.runtime.worker import CpuWorker
 
 
@@ -54,8 +61,9 @@ class UnitOptimizer:
     # superseded by a later one cannot announce the later one's result
     step_done: threading.Event = field(default_factory=set_event)
     speculated_lr: float | None = None  # the lr of this step's speculative update; None: none ran
-    backup: list | None = None  # master, then the AdamW state (if any) before the speculative update
-    backup_has_state: bool = False  # the AdamW had moments when the backup was taken
+    speculated_s: float = 0.0  # seconds the last speculative update took (booked if it is discarded)
+    # speculative steps write here: master, exp_avg, exp_avg_sq (swapped with the state when kept)
+    spare: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 class HostOptimizer:
@@ -71,7 +79,12 @@ class HostOptimizer:
         self.next_lr: Callable[[], float] | None = None
         self.no_decay = no_decay  # names of the parameters without weight decay
         self.cpu_threads = cpu_threads  # the CPU worker's torch threads (0: torch's default)
-        self.grad_scratch: torch.Tensor | None = None  # master-dtype grads of the unit the CPU AdamW steps
+        self.grad_scratch: torch.Tensor | None = None  # master-dtype grads for torch's fused AdamW
+        # the one-pass C kernel (flame.ops.cpu_adamw) when it builds here, else torch's fused AdamW
+        self.kernel = any(u.mode != "gpu" and not u.frozen for u in units) and cpu_adamw.available()
+        if not self.kernel and any(u.mode != "gpu" and not u.frozen for u in units):
+            logger.info("offload: CPU AdamW: torch's fused kernel (flame's one-pass kernel did not build: %s)",
+                        cpu_adamw.unavailable_reason())
 
     def build_unit(self, u: Unit, master: torch.Tensor) -> None:
         if u.frozen:  # no master, moments or step: u.optimizer stays None
@@ -80,9 +93,20 @@ class HostOptimizer:
         # the coordinates of the unit's (shard of the) master
         u.no_decay_ranges = [(a - u.shard_start, b - a) for (fqn, p), o in zip(u.params, u.offsets)
                              if fqn in self.no_decay and (ab := u.owned(o, p.numel())) for a, b in [ab]]
+        # (start, end, decayed): the master cut in order, the no_decay ranges apart (the kernel runs per range)
+        u.decay_segments, at = [], 0
+        for off, n in sorted(u.no_decay_ranges):
+            if off > at:
+                u.decay_segments.append((at, off, True))
+            u.decay_segments.append((off, off + n, False))
+            at = off + n
+        if at < master.numel():
+            u.decay_segments.append((at, master.numel(), True))
         param = nn.Parameter(master, requires_grad=False)
         u.optimizer = UnitOptimizer(param, torch.optim.AdamW([param], lr=self.lr, betas=self.betas, eps=self.eps,
                                                              weight_decay=self.weight_decay, fused=True))
+        if self.speculative and u.mode != "gpu":
+            u.optimizer.spare = tuple(torch.empty_like(master) for _ in range(3))
 
     def wait_for(self, u: Unit) -> None:
         """The forward needs `u`'s new weights: wait for its CPU AdamW (timed: an exposed optimizer)."""
@@ -90,11 +114,13 @@ class HostOptimizer:
             t = time.perf_counter()
             u.optimizer.step_done.wait()
             self.worker.account("forward_waits_for_cpu_adam", u.index, t)
+        self.worker.check()
 
     def wait_all(self) -> None:
         for u in self.units:
             if u.optimizer is not None:
                 u.optimizer.step_done.wait()
+        self.worker.check()
 
     def _decay(self, u: Unit, lr: float) -> None:
         """The fused AdamW decays the whole flat master (p *= 1 - lr * wd inside its one pass); the
@@ -140,18 +166,17 @@ class HostOptimizer:
 
     def finish(self, u: Unit, coef: float) -> None:
         """At step(): keep `u`'s speculative update when it is the step's (unclipped, the same lr),
-        else restore and step again; without one, step now."""
+        else step again from the state it left untouched; without one, step now."""
         o = u.optimizer
         if o.speculated_lr is None:
             self.start_on_cpu(u, coef)
             return
         kept = coef == 1.0 and o.speculated_lr == self.lr
         o.speculated_lr = None
-        if not kept:
-            self._submit(u, self._redo_step, coef, self.lr)
+        self._submit(u, self._commit if kept else self._redo_step, coef, self.lr)
 
     def discard_step(self) -> None:
-        """The step is skipped: undo every speculative update (weights, moments, compute copy)."""
+        """The step is skipped: drop every speculative update (its compute copy included)."""
         self.last_step_redone = self.speculative
         for u in self.units:
             o = u.optimizer
@@ -163,51 +188,45 @@ class HostOptimizer:
         try:
             self._wait_inputs(u, upload_read_done)
             t = time.perf_counter()
-            self._backup(u)
-            self.worker.account("speculative_backup", u.index, t)
-            self._step_body(u, 1.0, lr)
+            self._step_body(u, 1.0, lr, into_spare=True)
+            u.optimizer.speculated_s = time.perf_counter() - t
+        finally:
+            done.set()
+
+    def _commit(self, u: Unit, coef: float, lr: float, upload_read_done, done) -> None:
+        """The speculative update is the step's: its buffers become the state, the old ones the
+        spare (a master that is the pinned compute copy: the compute copy moves with it)."""
+        try:
+            t = time.perf_counter()
+            o = u.optimizer
+            st = o.adamw.state[o.master]
+            new = o.spare
+            o.spare = (o.master.data, st["exp_avg"], st["exp_avg_sq"])
+            if same_tensor(u.weights.host, o.master):
+                u.weights.host = new[0]
+            o.master.data = new[0]
+            st["exp_avg"], st["exp_avg_sq"] = new[1], new[2]
+            st["step"].add_(1)
+            self.worker.account("speculative_commit", u.index, t)
         finally:
             done.set()
 
     def _redo_step(self, u: Unit, coef: float, lr: float, upload_read_done, done) -> None:
-        try:
-            t = time.perf_counter()
-            self._restore(u, compute_copy=False)  # the step below writes the compute copy
-            self.worker.account("speculative_rollback", u.index, t)
-            self._step_body(u, coef, lr)
-        finally:
-            done.set()
+        """The speculation is not the step's (clipped, or another lr): step from the untouched state."""
+        self.worker.seconds["speculative_discarded"] += u.optimizer.speculated_s
+        self._cpu_step(u, coef, lr, upload_read_done, done)
 
     def _undo(self, u: Unit, upload_read_done, done) -> None:
+        """A skipped step: the state is untouched; a separate compute copy gets the master's values back."""
         try:
             t = time.perf_counter()
-            self._restore(u, compute_copy=True)
-            self.worker.account("speculative_rollback", u.index, t)
+            self.worker.seconds["speculative_discarded"] += u.optimizer.speculated_s
+            o = u.optimizer
+            if not same_tensor(u.weights.host, o.master):
+                u.weights.host.copy_(o.master.data)
+            self.worker.account("speculative_undo", u.index, t)
         finally:
             done.set()
-
-    def _backup(self, u: Unit) -> None:
-        """Copy the master and the AdamW state aside, into buffers kept from step to step."""
-        o = u.optimizer
-        state = o.adamw.state.get(o.master)
-        tensors = [o.master.data] + ([state["exp_avg"], state["exp_avg_sq"], state["step"]] if state else [])
-        if o.backup is None or len(o.backup) < len(tensors):
-            o.backup = [torch.empty_like(t) for t in tensors]
-        for b, t in zip(o.backup, tensors):
-            b.copy_(t)
-        o.backup_has_state = bool(state)
-
-    def _restore(self, u: Unit, compute_copy: bool) -> None:
-        o = u.optimizer
-        o.master.data.copy_(o.backup[0])
-        if o.backup_has_state:
-            state = o.adamw.state[o.master]
-            for b, k in zip(o.backup[1:], ("exp_avg", "exp_avg_sq", "step")):
-                state[k].copy_(b)
-        else:  # before the first step: no moments yet, as the fused AdamW will find it
-            o.adamw.state.pop(o.master, None)
-        if compute_copy and not same_tensor(u.weights.host, o.master):
-            u.weights.host.copy_(o.master.data)
 
     # ------------------------------------------------------------------ the CPU step
     def _cpu_step(self, u: Unit, coef: float, lr: float, upload_read_done, done) -> None:
@@ -225,28 +244,66 @@ class HostOptimizer:
         if u.grads.d2h_done is not None:
             u.grads.d2h_done.synchronize()  # the grads are on the host
 
-    def _step_body(self, u: Unit, coef: float, lr: float) -> None:
+    def _state(self, o: UnitOptimizer) -> dict:
+        """The unit's AdamW state in torch's layout (created as torch's AdamW does on a first step)."""
+        st = o.adamw.state.get(o.master)
+        if not st:
+            st = o.adamw.state[o.master] = {"step": torch.zeros((), dtype=torch.float32),
+                                            "exp_avg": torch.zeros_like(o.master.data),
+                                            "exp_avg_sq": torch.zeros_like(o.master.data)}
+        return st
+
+    def _step_body(self, u: Unit, coef: float, lr: float, into_spare: bool = False) -> None:
+        """One AdamW step of a host unit with grads scaled by `coef`: in place, or (`into_spare`)
+        into the unit's spare buffers with the state left as it was. Writes the compute copy
+        when it is not the master itself."""
         o = u.optimizer
-        o.adamw.grad_scale = torch.full((), 1.0 / coef) if coef != 1.0 else None
-        t0 = time.perf_counter()
-        o.master.grad = self._master_grad(u)
-        t1 = time.perf_counter()
+        st = self._state(o)
+        src = (o.master.data, st["exp_avg"], st["exp_avg_sq"])
+        dst = o.spare if into_spare else src
+        host = None if same_tensor(u.weights.host, o.master) else u.weights.host
         o.adamw.param_groups[0]["lr"] = lr
-        self._decay(u, lr)
-        o.adamw.step()
-        o.master.grad = None
-        t2 = time.perf_counter()
-        if not same_tensor(u.weights.host, o.master):
-            u.weights.host.copy_(o.master.data)
-        t3 = time.perf_counter()
-        for k, dt in (("grad_to_master_dtype", t1 - t0), ("cpu_adam", t2 - t1), ("new_compute_copy", t3 - t2)):
-            self.worker.seconds[k] += dt
+        t0 = time.perf_counter()
+        step = int(st["step"]) + 1
+        if self.kernel:
+            grad = u.grads.accumulator
+            copy = host if host is not None and host.dtype == torch.bfloat16 else None
+            for a, b, decayed in u.decay_segments:
+                master, exp_avg, exp_avg_sq = (t[a:b] for t in src)
+                cpu_adamw.adamw(master, grad[a:b], exp_avg, exp_avg_sq, step=step, lr=lr, beta1=self.betas[0],
+                                beta2=self.betas[1], eps=self.eps, weight_decay=self.weight_decay if decayed else 0.0,
+                                grad_mul=coef, out=tuple(t[a:b] for t in dst) if into_spare else None,
+                                compute_copy=None if copy is None else copy[a:b], threads=self.cpu_threads)
+            host = None if copy is not None else host
+        else:
+            self._torch_fused_step(u, src, dst, coef, lr, step)
+        if host is not None:
+            host.copy_(dst[0])
+        if not into_spare:
+            st["step"].fill_(step)
+        t1 = time.perf_counter()
+        self.worker.seconds["cpu_adam"] += t1 - t0
         if self.worker.trace is not None:
-            self.worker.trace.append(("cpu_step", u.index, t0, t3))
+            self.worker.trace.append(("cpu_step", u.index, t0, t1))
+
+    def _torch_fused_step(self, u: Unit, src, dst, coef: float, lr: float, step: int) -> None:
+        """Without the C kernel: torch's fused CPU AdamW (in place, so `dst` first gets a copy of
+        `src`) on grads converted to the master dtype; weight decay is the whole master's inside
+        the kernel, so the no_decay ranges are divided by its factor first."""
+        if dst is not src:
+            torch._foreach_copy_(list(dst), list(src))
+        master = dst[0]
+        if self.weight_decay:
+            for off, n in u.no_decay_ranges:
+                master[off:off + n].div_(1.0 - lr * self.weight_decay)
+        torch._fused_adamw_([master], [self._master_grad(u)], [dst[1]], [dst[2]], [],
+                            [torch.full((), float(step))], lr=lr, beta1=self.betas[0], beta2=self.betas[1],
+                            weight_decay=self.weight_decay, eps=self.eps, amsgrad=False, maximize=False,
+                            grad_scale=torch.full((), 1.0 / coef) if coef != 1.0 else None, found_inf=None)
 
     def _master_grad(self, u: Unit) -> torch.Tensor:
-        """The unit's grads in the master dtype for the fused AdamW: the accumulator itself, or a
-        conversion into one reused buffer (a fresh tensor per unit and step would page-fault its
+        """The unit's grads in the master dtype for torch's fused AdamW: the accumulator itself, or
+        a conversion into one reused buffer (a fresh tensor per unit and step would page-fault its
         whole size in again every step)."""
         acc, dtype = u.grads.accumulator, u.optimizer.master.dtype
         if acc.dtype == dtype:

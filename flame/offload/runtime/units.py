@@ -67,6 +67,8 @@ class Unit:
     shard_start: int = field(init=False)  # first owned element (0 when not sharded)
     # ranges of the (shard of the) master excluded from weight decay: (start, length)
     no_decay_ranges: list[tuple[int, int]] = field(default_factory=list)
+    # the same coordinates cut into ranges in order: (start, end, decayed), covering the master
+    decay_segments: list[tuple[int, int, bool]] = field(default_factory=list)
     activations: HostActivations | None = None  # activation_mode == "offload": the block's host arena
     weights: UnitWeights | None = None
     grads: UnitGrads | None = None

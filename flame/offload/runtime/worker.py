@@ -28,16 +28,27 @@ class CpuWorker:
         # None, or a list the worker appends (kind, unit index, start, end) to, perf_counter
         # seconds, per job (benchmarks/offload_blocks.py lines them up with the GPU's timeline)
         self.trace: list | None = None
+        self.error: BaseException | None = None  # the first exception a job raised (raised again by check())
         self.switch_interval = ShortSwitchInterval()
         self.switch_interval.acquire()
         weakref.finalize(self, self.switch_interval.release)
 
     def submit(self, fn, *args) -> None:
-        self.pool.submit(fn, *args)
+        self.pool.submit(fn, *args).add_done_callback(self._keep_error)
+
+    def _keep_error(self, future) -> None:
+        if self.error is None and future.exception() is not None:
+            self.error = future.exception()
+
+    def check(self) -> None:
+        """Raise the first exception a job raised (a job's failure must not pass unseen)."""
+        if self.error is not None:
+            raise RuntimeError("offload: a CPU job failed") from self.error
 
     def wait(self) -> None:
-        """Every job submitted so far has run."""
+        """Every job submitted so far has run (raises a job's exception)."""
         self.pool.submit(lambda: None).result()
+        self.check()
 
     def account(self, kind: str, unit_index: int, t0: float) -> None:
         """Book the seconds from `t0` to now under `kind` (and trace them)."""

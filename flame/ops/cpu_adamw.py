@@ -1,0 +1,189 @@
+"""AdamW over flat CPU tensors in one pass, optionally out of place, with the bf16 compute copy
+written in the same pass.
+
+The offload engine steps host units on the CPU. torch's fused CPU AdamW updates in place and
+needs grads in the master dtype, so a step was three passes over memory (grads converted to the
+master dtype, the AdamW, the bf16 compute copy), and keeping the old state for an undo cost a
+fourth (a copy of master and moments). This kernel reads master, moments and grads (fp32 or bf16)
+once and writes the new master, moments and compute copy once: in place, or into a second set of
+buffers so that the old state stays as it was.
+
+The kernel is C (OpenMP over the elements), built on first use with the system C compiler
+(`$CC`, else `cc`; Triton needs one too) into `$XDG_CACHE_HOME/flame/cpu_kernels` (overridable
+with `FLAME_CPU_KERNEL_CACHE`), keyed by the source's hash, and called through ctypes, which lets
+go of the GIL for the call. Where no compiler works, `available()` is False and the caller uses
+torch's fused AdamW instead.
+
+The update is torch's AdamW (decoupled weight decay, bias corrections) in float32 arithmetic:
+  g = grad * grad_mul
+  m' = m + (1 - beta1) * (g - m)
+  v' = beta2 * v + (1 - beta2) * g * g
+  p' = p * decay - step_size * m' / (sqrt(v') / bc2_sqrt + eps)
+with decay = 1 - lr * weight_decay, step_size = lr / (1 - beta1^t), bc2_sqrt = sqrt(1 - beta2^t).
+bf16 values are widened exactly and rounded to nearest even when stored.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import math
+import os
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = r"""
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = ((uint32_t)h) << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  /* NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);                     /* round to nearest even */
+    return (uint16_t)(u >> 16);
+}
+
+#define LOAD(ptr, bf, i) ((bf) ? bf16_to_f32(((const uint16_t *)(ptr))[i]) : ((const float *)(ptr))[i])
+#define STORE(ptr, bf, i, x) do { if (bf) ((uint16_t *)(ptr))[i] = f32_to_bf16(x); \
+                                  else ((float *)(ptr))[i] = (x); } while (0)
+
+/* state (p, m, v) and its destination (P, M, V; may be p, m, v) in one dtype (state_bf16),
+   grads in theirs (grad_bf16); w: the bf16 compute copy or NULL */
+static inline __attribute__((always_inline)) void adamw_range(const void *p, const void *g, const void *m, const void *v,
+                        void *P, void *M, void *V, uint16_t *w, int64_t lo, int64_t hi,
+                        int state_bf16, int grad_bf16, float decay, float step_size, float bc2_sqrt,
+                        float grad_mul, float beta1, float beta2, float eps) {
+    const float a1 = 1.0f - beta1, a2 = 1.0f - beta2;
+    for (int64_t i = lo; i < hi; i++) {
+        float gi = LOAD(g, grad_bf16, i) * grad_mul;
+        float mi = LOAD(m, state_bf16, i);
+        float vi = LOAD(v, state_bf16, i);
+        float mn = mi + a1 * (gi - mi);
+        float vn = beta2 * vi + a2 * gi * gi;
+        float pn = LOAD(p, state_bf16, i) * decay - step_size * mn / (sqrtf(vn) / bc2_sqrt + eps);
+        STORE(M, state_bf16, i, mn);
+        STORE(V, state_bf16, i, vn);
+        STORE(P, state_bf16, i, pn);
+        if (w) w[i] = f32_to_bf16(pn);
+    }
+}
+
+void flame_adamw(const void *p, const void *g, const void *m, const void *v,
+                 void *P, void *M, void *V, uint16_t *w, int64_t n,
+                 int state_bf16, int grad_bf16, float decay, float step_size, float bc2_sqrt,
+                 float grad_mul, float beta1, float beta2, float eps, int threads) {
+    const int64_t block = 1 << 14;
+    const int64_t nblocks = (n + block - 1) / block;
+    /* adamw_range is inlined with constant dtype flags: one branch-free loop per combination */
+    #pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
+    for (int64_t b = 0; b < nblocks; b++) {
+        int64_t lo = b * block, hi = lo + block < n ? lo + block : n;
+        if (!state_bf16 && !grad_bf16 && !w)
+            adamw_range(p, g, m, v, P, M, V, 0, lo, hi, 0, 0, decay, step_size, bc2_sqrt, grad_mul, beta1, beta2, eps);
+        else if (!state_bf16 && !grad_bf16)
+            adamw_range(p, g, m, v, P, M, V, w, lo, hi, 0, 0, decay, step_size, bc2_sqrt, grad_mul, beta1, beta2, eps);
+        else if (!state_bf16 && !w)
+            adamw_range(p, g, m, v, P, M, V, 0, lo, hi, 0, 1, decay, step_size, bc2_sqrt, grad_mul, beta1, beta2, eps);
+        else if (!state_bf16)
+            adamw_range(p, g, m, v, P, M, V, w, lo, hi, 0, 1, decay, step_size, bc2_sqrt, grad_mul, beta1, beta2, eps);
+        else if (!grad_bf16)
+            adamw_range(p, g, m, v, P, M, V, w, lo, hi, 1, 0, decay, step_size, bc2_sqrt, grad_mul, beta1, beta2, eps);
+        else
+            adamw_range(p, g, m, v, P, M, V, w, lo, hi, 1, 1, decay, step_size, bc2_sqrt, grad_mul, beta1, beta2, eps);
+    }
+}
+"""
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-shared"]
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_error: str | None = None
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("FLAME_CPU_KERNEL_CACHE")
+    if env:
+        return Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "flame" / "cpu_kernels"
+
+
+def _build() -> ctypes.CDLL:
+    cc = os.environ.get("CC", "cc")
+    key = hashlib.sha256((_SOURCE + " ".join(_FLAGS) + cc).encode()).hexdigest()[:16]
+    directory = cache_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    lib = directory / f"flame_adamw_{key}.so"
+    if not lib.exists():
+        with tempfile.TemporaryDirectory(dir=directory) as tmp:
+            src = Path(tmp) / "adamw.c"
+            src.write_text(_SOURCE)
+            out = Path(tmp) / lib.name
+            subprocess.run([cc, *_FLAGS, str(src), "-o", str(out), "-lm"], check=True, capture_output=True, text=True)
+            os.replace(out, lib)  # atomic: concurrent builders each install a whole file
+    f = ctypes.CDLL(str(lib)).flame_adamw
+    f.restype = None
+    f.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64, ctypes.c_int, ctypes.c_int] + [ctypes.c_float] * 7 + [ctypes.c_int]
+    return f
+
+
+def available() -> bool:
+    """Whether the kernel is built (on first call) and loads; the reason it is not: `unavailable_reason()`."""
+    global _lib, _error
+    with _lock:
+        if _lib is None and _error is None:
+            try:
+                _lib = _build()
+            except (OSError, subprocess.CalledProcessError) as e:
+                detail = getattr(e, "stderr", "") or str(e)
+                _error = f"{type(e).__name__}: {detail.strip().splitlines()[-1] if detail.strip() else e}"
+        return _lib is not None
+
+
+def unavailable_reason() -> str | None:
+    return _error
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def adamw(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
+          step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+          grad_mul: float = 1.0, out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+          compute_copy: torch.Tensor | None = None, threads: int = 0) -> None:
+    """One AdamW step of flat contiguous CPU tensors; `step` counts this step (1 for the first).
+    Writes the new (param, exp_avg, exp_avg_sq) into `out` when given (the inputs stay unchanged),
+    else in place; `compute_copy` (bf16), when given, receives the new param. Needs `available()`."""
+    state = (param, exp_avg, exp_avg_sq)
+    dst = out if out is not None else state
+    n = param.numel()
+    for t in (*state, *dst, grad) + ((compute_copy,) if compute_copy is not None else ()):
+        if t.device.type != "cpu" or not t.is_contiguous() or t.numel() != n:
+            raise ValueError("cpu_adamw: flat contiguous CPU tensors of one size expected")
+    state_bf16 = param.dtype == torch.bfloat16
+    if any(t.dtype != param.dtype for t in (*state, *dst)) or param.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"cpu_adamw: master and moments of one dtype, float32 or bfloat16 (got {param.dtype})")
+    if grad.dtype not in (torch.float32, torch.bfloat16) or (compute_copy is not None and compute_copy.dtype != torch.bfloat16):
+        raise ValueError("cpu_adamw: grads float32 or bfloat16, compute copy bfloat16")
+    _lib(param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
+         dst[0].data_ptr(), dst[1].data_ptr(), dst[2].data_ptr(), _ptr(compute_copy), n,
+         int(state_bf16), int(grad.dtype == torch.bfloat16), 1.0 - lr * weight_decay,
+         lr / (1.0 - beta1 ** step), math.sqrt(1.0 - beta2 ** step), grad_mul, beta1, beta2, eps,
+         threads or torch.get_num_threads())

@@ -1,0 +1,117 @@
+"""flame.ops.cpu_adamw, the one-pass CPU AdamW of host units: against a float64 evaluation of
+AdamW's formula and against torch's AdamW, in place and out of place, fp32 and bf16 state."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from flame.ops import cpu_adamw
+
+pytestmark = pytest.mark.skipif(not cpu_adamw.available(), reason="no C compiler: the engine uses torch's fused AdamW")
+
+HP = dict(lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+
+
+def inputs(n, state_dtype, grad_dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    p = torch.randn(n, generator=g).to(state_dtype)
+    m = (torch.randn(n, generator=g) * 1e-2).to(state_dtype)
+    v = (torch.rand(n, generator=g) * 1e-4).to(state_dtype)
+    grad = (torch.randn(n, generator=g) * 1e-2).to(grad_dtype)
+    return p, grad, m, v
+
+
+def reference(p, grad, m, v, step, grad_mul):
+    """AdamW (decoupled decay, bias corrections) in float64."""
+    p, grad, m, v = (t.double() for t in (p, grad, m, v))
+    b1, b2 = HP["beta1"], HP["beta2"]
+    g = grad * grad_mul
+    m = b1 * m + (1 - b1) * g
+    v = b2 * v + (1 - b2) * g * g
+    denom = (v / (1 - b2 ** step)).sqrt() + HP["eps"]
+    p = p * (1 - HP["lr"] * HP["weight_decay"]) - HP["lr"] * (m / (1 - b1 ** step)) / denom
+    return p, m, v
+
+
+def rel(a, b):
+    return ((a.double() - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("state_dtype,grad_dtype", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+                                                    (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize("out_of_place", [False, True])
+def test_matches_float64_adamw(state_dtype, grad_dtype, out_of_place):
+    n, step, grad_mul = 100_003, 7, 0.37  # not a multiple of any block or vector width
+    p, grad, m, v = inputs(n, state_dtype, grad_dtype, seed=n + step)
+    want = reference(p, grad, m, v, step, grad_mul)
+    before = [t.clone() for t in (p, grad, m, v)]
+    out = tuple(torch.empty_like(t) for t in (p, m, v)) if out_of_place else None
+    copy = torch.empty(n, dtype=torch.bfloat16)
+    cpu_adamw.adamw(p, grad, m, v, step=step, grad_mul=grad_mul, out=out, compute_copy=copy, **HP)
+    got = out if out_of_place else (p, m, v)
+    tol = 1e-6 if state_dtype == torch.float32 else 1e-2
+    for name, a, b in zip(("param", "exp_avg", "exp_avg_sq"), got, want):
+        assert rel(a, b) < tol, (name, rel(a, b))
+    assert torch.equal(copy, got[0].to(torch.bfloat16))  # the compute copy: the new master rounded
+    assert torch.equal(grad, before[1])
+    if out_of_place:  # the state stays as it was
+        for a, b in zip((p, m, v), (before[0], before[2], before[3])):
+            assert torch.equal(a, b)
+
+
+def test_close_to_torch_adamw_over_steps():
+    """Five steps against torch.optim.AdamW (fused) on the same grads: within float32 rounding."""
+    n = 4099
+    p, _, _, _ = inputs(n, torch.float32, torch.float32, seed=1)
+    ref = torch.nn.Parameter(p.clone())
+    opt = torch.optim.AdamW([ref], lr=HP["lr"], betas=(HP["beta1"], HP["beta2"]), eps=HP["eps"],
+                            weight_decay=HP["weight_decay"], fused=True)
+    m, v = torch.zeros(n), torch.zeros(n)
+    g = torch.Generator().manual_seed(2)
+    for step in range(1, 6):
+        grad = torch.randn(n, generator=g)
+        ref.grad = grad.clone()
+        opt.step()
+        cpu_adamw.adamw(p, grad, m, v, step=step, **HP)
+    st = opt.state[ref]
+    for a, b in ((p, ref.detach()), (m, st["exp_avg"]), (v, st["exp_avg_sq"])):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_thread_count_does_not_change_the_result():
+    n = 300_001
+    outs = []
+    for threads in (1, 2, 3):
+        p, grad, m, v = inputs(n, torch.float32, torch.bfloat16, seed=3)
+        cpu_adamw.adamw(p, grad, m, v, step=2, threads=threads, **HP)
+        outs.append((p, m, v))
+    for other in outs[1:]:
+        for a, b in zip(outs[0], other):
+            assert torch.equal(a, b)
+
+
+def test_rejects_mismatched_tensors():
+    p, grad, m, v = inputs(16, torch.float32, torch.float32, seed=4)
+    with pytest.raises(ValueError, match="one size"):
+        cpu_adamw.adamw(p, grad[:8], m, v, step=1, **HP)
+    with pytest.raises(ValueError, match="one dtype"):
+        cpu_adamw.adamw(p, grad, m.bfloat16(), v, step=1, **HP)
+    with pytest.raises(ValueError, match="bfloat16"):
+        cpu_adamw.adamw(p, grad, m, v, step=1, compute_copy=torch.empty(16), **HP)
+
+
+def test_concurrent_first_builds_share_one_library(tmp_path):
+    """Processes building into an empty cache at once each load a whole library (installed by
+    rename), and leave one file."""
+    script = ("import torch; from flame.ops import cpu_adamw; assert cpu_adamw.available(), cpu_adamw.unavailable_reason();"
+              "p = torch.ones(8); cpu_adamw.adamw(p, torch.ones(8), torch.zeros(8), torch.zeros(8), step=1, lr=0.1,"
+              " beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0); assert (p < 1).all()")
+    env = dict(os.environ, FLAME_CPU_KERNEL_CACHE=str(tmp_path))
+    procs = [subprocess.Popen([sys.executable, "-c", script], env=env, stderr=subprocess.PIPE, text=True)
+             for _ in range(3)]
+    for proc in procs:
+        assert proc.wait(timeout=120) == 0, proc.stderr.read()
+    assert [f.suffix for f in tmp_path.iterdir()] == [".so"]
