@@ -10,7 +10,7 @@ buffers so that the old state stays as it was.
 
 The kernel is C (OpenMP over the elements), built on first use with the system C compiler
 (`$CC`, else `cc`; Triton needs one too) into `$XDG_CACHE_HOME/flame/cpu_kernels` (overridable
-with `FLAME_CPU_KERNEL_CACHE`), keyed by the source's hash, and called through ctypes, which lets
+with `FLAME_CPU_KERNEL_CACHE`), keyed by the source, compiler and CPU's instruction sets, and called through ctypes, which lets
 go of the GIL for the call. Where no compiler works, `available()` is False and the caller uses
 torch's fused AdamW instead.
 
@@ -30,6 +30,7 @@ import hashlib
 import logging
 import math
 import os
+import platform
 import subprocess
 import tempfile
 import threading
@@ -124,9 +125,19 @@ def cache_dir() -> Path:
     return Path(base) / "flame" / "cpu_kernels"
 
 
+def _cpu_signature() -> str:
+    """The instruction sets `-march=native` builds for: a library built on one CPU model must not
+    load on another (a cache directory shared by a cluster's nodes)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), platform.machine())
+    except OSError:
+        return platform.machine() + platform.processor()
+
+
 def _build() -> ctypes.CDLL:
     cc = os.environ.get("CC", "cc")
-    key = hashlib.sha256((_SOURCE + " ".join(_FLAGS) + cc).encode()).hexdigest()[:16]
+    key = hashlib.sha256((_SOURCE + " ".join(_FLAGS) + cc + _cpu_signature()).encode()).hexdigest()[:16]
     directory = cache_dir()
     directory.mkdir(parents=True, exist_ok=True)
     lib = directory / f"flame_adamw_{key}.so"
