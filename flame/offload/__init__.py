@@ -104,8 +104,10 @@ def build_plan(model, job_config, device, world: int = 1, threads_from_profile: 
         from flame.offload.planner.refit import use_block_calibration
 
         # one real block timed at the run's shapes, per candidate micro-batch, scales the
-        # FLOP-based compute times; the outer (head and loss) is timed as it is
-        timed = measure_block_fudges(model.config, costs_of, prof, seq, cdt, lora=lora)
+        # FLOP-based compute times (compiled, when the run compiles its blocks); the outer (head
+        # and loss) is timed as it is
+        backend = _get(job_config, "compile.backend", "inductor") if _get(job_config, "compile.enable", False) else None
+        timed = measure_block_fudges(model.config, costs_of, prof, seq, cdt, lora=lora, compile_backend=backend)
         fudges = use_block_calibration(costs_of, timed)
     # the micro-batch: the fastest plan over the candidates (every one runs the step's tokens)
     plan, costs = solve_micro_batches(costs_of, accum * local, prof, dt, gpu, host, threads, fudges=fudges,

@@ -180,6 +180,29 @@ def test_block_calibration_runs_repeatedly_on_cpu():
     assert chunked[2].outer.timed_s == [cals[2]["outer_fwd_s"], cals[2]["outer_bwd_s"]]
 
 
+def test_block_calibration_of_a_compiled_run_times_the_block_compiled(monkeypatch):
+    """With compile on, the block is timed compiled once (the largest micro-batch) and every
+    micro-batch's block times are scaled by compiled / eager."""
+    from flame.offload.measure import calibration
+    from flame.offload.measure.tracing import measure_costs
+    from test_planner import prof
+
+    m = tiny()
+    costs = {1: measure_costs(m, 1, 16), 2: measure_costs(m, 2, 16)}
+    compiled_at = []
+    real = calibration._compile_scale
+    monkeypatch.setattr(calibration, "_compile_scale",
+                        lambda m_, blk, mb, *a: compiled_at.append(mb) or real(m_, blk, mb, *a))
+    torch._dynamo.reset()
+    cals = calibration.measure_block_fudges(m.config, costs, prof(), 16, torch.float32, "cpu",
+                                            compile_backend="aot_eager")
+    assert compiled_at == [2]
+    scale = cals[2]["compile_scale"]
+    assert scale > 0 and cals[1]["compile_scale"] == scale
+    for c in cals.values():
+        assert c["fudge"] == pytest.approx(c["measured_fwd_bwd_s"] / c["predicted_fwd_bwd_s"])
+
+
 def test_bf16_compute_policy_same_across_modes():
     """bf16 compute / fp32 master: streaming and CPU AdamW give the all-GPU-mode numbers."""
     mixed = {"compute": "bfloat16", "master": "float32", "grad": "float32", "moment": "float32"}

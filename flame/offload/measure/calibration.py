@@ -117,7 +117,7 @@ WARM_S = 1.0
 
 
 def measure_block_fudges(config, costs_of: dict, prof, seq_len: int, dtype, device: str = "cuda",
-                         lora=None) -> dict[int, dict]:
+                         lora=None, compile_backend: str | None = None) -> dict[int, dict]:
     """Time one real block (fwd, fwd+bwd) at the run's shapes for every candidate micro-batch of
     `costs_of` (the block built once) and compare with the FLOP-based prediction: per micro-batch
     {"fudge": measured / predicted, ...} for `solve(fudge=...)`. GEMMs of 4k rows run well below
@@ -126,7 +126,10 @@ def measure_block_fudges(config, costs_of: dict, prof, seq_len: int, dtype, devi
     blocks: "outer_fwd_s", "outer_bwd_s" (`use_block_calibration` puts them into the costs). A
     micro-batch whose one block (fwd+bwd) or outer runs out of GPU memory fits no plan and is left
     out of the result (so are the larger ones). `lora` (the ``[lora]`` section): the block timed
-    with its adapters and a frozen base, as the costs were measured."""
+    with its adapters and a frozen base, as the costs were measured. `compile_backend` (the run
+    compiles its blocks): the block is also timed compiled, once, at the largest micro-batch that
+    fits, and every micro-batch's block times are scaled by compiled / eager ("compile_scale"):
+    compiling once per micro-batch would cost a compilation each at startup."""
     import copy
 
     from transformers import AutoModelForCausalLM
@@ -161,10 +164,42 @@ def measure_block_fudges(config, costs_of: dict, prof, seq_len: int, dtype, devi
         finally:
             if device == "cuda":
                 torch.cuda.empty_cache()
+    if compile_backend and out:
+        mb = max(out)
+        try:
+            scale = _compile_scale(m, blk, mb, seq_len, device, compile_backend, out[mb]["measured_fwd_bwd_s"])
+        except Exception as e:  # a measurement, not the run: the plan can still use the eager times
+            logger.warning("offload: timing one compiled block failed (%s: %s); the plan uses eager block times",
+                           type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            scale = 1.0
+        for r in out.values():
+            r["compile_scale"] = scale
+            for k in ("fudge", "measured_fwd_s", "measured_fwd_bwd_s"):
+                r[k] *= scale
     del m, blk
     if device == "cuda":
         torch.cuda.empty_cache()
     return out
+
+
+def _compile_scale(m, blk, micro_batch: int, seq_len: int, device: str, backend: str, eager_s: float) -> float:
+    """Compiled / eager seconds of one block's fwd+bwd at `micro_batch` (compiled as the trainer
+    compiles blocks: torch.compile of the block module)."""
+    args, kwargs = _block_inputs(m, blk, micro_batch, seq_len, device)
+    compiled = torch.compile(blk, backend=backend)
+
+    def fwd_bwd():
+        o = compiled(*args, **kwargs)
+        o = o[0] if isinstance(o, (tuple, list)) else o
+        o.backward(torch.ones_like(o))
+
+    fwd_bwd()  # compiles
+    scale = seconds_per_call(fwd_bwd) / eager_s
+    for p in blk.parameters():
+        p.grad = None
+    logger.info("offload: one compiled block at micro-batch %d x %d runs in %.2fx its eager time; the plan's "
+                "block times use that", micro_batch, seq_len, scale)
+    return scale
 
 
 def _time_outer(m, costs, micro_batch: int, seq_len: int, device: str) -> dict:
@@ -209,12 +244,12 @@ class _Captured(Exception):
     pass
 
 
-def _time_block(m, blk, costs, prof, micro_batch: int, seq_len: int, device: str, warm_s: float = 0.0) -> dict:
-    """Time `blk` (the one block of model `m`) fwd and fwd+bwd at micro_batch x seq_len, on inputs
-    captured from `m`'s own forward, against the FLOP-based prediction of `costs`."""
+def _block_inputs(m, blk, micro_batch: int, seq_len: int, device: str) -> tuple[list, dict]:
+    """`blk`'s (args, kwargs) in `m`'s own forward at micro_batch x seq_len, the hidden states
+    made a leaf that takes grads; the rest of the model (the head) is not run."""
     got = {}
 
-    def capture(mod, a, k):  # the block's inputs; the rest of the model (the head) is not run
+    def capture(mod, a, k):
         got.update(a=a, k=k)
         raise _Captured
 
@@ -232,6 +267,13 @@ def _time_block(m, blk, costs, prof, micro_batch: int, seq_len: int, device: str
 
     args = [prep(x) for x in got["a"]]
     kwargs = {k: prep(v) if k == "hidden_states" else v for k, v in got["k"].items() if k != "past_key_values"}
+    return args, kwargs
+
+
+def _time_block(m, blk, costs, prof, micro_batch: int, seq_len: int, device: str, warm_s: float = 0.0) -> dict:
+    """Time `blk` (the one block of model `m`) fwd and fwd+bwd at micro_batch x seq_len, on inputs
+    captured from `m`'s own forward, against the FLOP-based prediction of `costs`."""
+    args, kwargs = _block_inputs(m, blk, micro_batch, seq_len, device)
 
     def fwd():
         with torch.no_grad():
