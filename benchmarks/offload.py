@@ -138,6 +138,14 @@ def all_rows(steps: int, shapes=("3B", "8B")) -> list[BenchRow]:
         rows.append(BenchRow(f"flame_{key}_offload_{s.cap_gib:g}GiB_compile_speculative", key, "flame", "offload",
                              "the same with --offload.speculative_step (CPU AdamW during the backward)",
                              flame_args(s, steps, True) + ["--offload.speculative_step"], 420))
+        rows.append(BenchRow(f"flame_{key}_offload_{s.cap_gib:g}GiB_compile_checkpoint_offload", key, "flame", "offload",
+                             "the same with --offload.checkpoint_offload (recomputed blocks' inputs in host memory)",
+                             flame_args(s, steps, True) + ["--offload.checkpoint_offload"], 420))
+        rows.append(BenchRow(f"flame_{key}_offload_{s.cap_gib:g}GiB_compile_checkpoint_offload_speculative_noclip", key,
+                             "flame", "offload", "the same with --offload.checkpoint_offload and "
+                             "--offload.speculative_step, without clipping (--training.max_norm 0)",
+                             flame_args(s, steps, True) + ["--offload.checkpoint_offload", "--offload.speculative_step",
+                                                           "--training.max_norm", "0"], 420))
         rows.append(BenchRow(f"flame_{key}_offload_{s.cap_gib:g}GiB_compile_speculative_noclip", key, "flame", "offload",
                              "the same without clipping (--training.max_norm 0): the speed of steps that do not clip, "
                              "which keep their speculative update",

@@ -115,7 +115,8 @@ def build_plan(model, job_config, device, world: int = 1, threads_from_profile: 
                                       allow_offload=off.enable != "off", world=world, node_ranks=node_ranks,
                                       offload_activations=off.activation_offload,
                                       selective_recompute=off.selective_recompute,
-                                      speculative_step=off.speculative_step)
+                                      speculative_step=off.speculative_step,
+                                      checkpoint_offload=off.checkpoint_offload)
     if off.calibrate:
         from flame.offload.planner.refit import calibrated_plan_for
 

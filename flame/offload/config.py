@@ -73,11 +73,18 @@ class Offload:
     recompute the rest (norms, rotary, activation functions) in the backward. Between keeping a
     block's activations and recomputing its whole forward in memory; nearly free in time."""
 
+    checkpoint_offload: bool = False
+    """Let the planner keep the inputs of recomputed blocks in pinned host memory between their
+    forward and backward (copied out after the block's forward, back ahead of its recompute): the
+    GPU then holds no activations of those blocks: larger micro-batches, or more weights kept on
+    the GPU, where the memory freed buys more than the copies cost. Off by default until measured
+    on a GPU; `overrides = ["activations[i-j]=recompute_host"]` forces it per block."""
+
     speculative_step: bool = False
     """Start each host block's CPU AdamW as soon as its gradients reach the host, during the rest of
     the backward, instead of after the step's gradient norm; it is kept when the step turns out
     unclipped at that learning rate, and redone (or undone, for a skipped step) otherwise, so the
-    result equals the usual step's bit for bit. Costs a copy of the master weights and moments in
+    result equals the usual step's bit for bit. Costs a spare set of master weights and moments in
     host memory (the planner counts it) and a redo on every clipped step."""
 
     prefetch_depth: int = 0
@@ -103,7 +110,7 @@ class Offload:
     """Per-decision overrides for experts, comma-separated `key=value`, block index ranges allowed:
     `weights[i-j]=gpu|host|resident` (host = streamed with grads/optimizer on the host,
     resident = weights on GPU with the optimizer on the CPU), `optimizer[*]=gpu|cpu`,
-    `activations[*]=keep|selective|recompute|offload`, `prefetch=2`, `outer=gpu|host_opt`."""
+    `activations[*]=keep|selective|recompute|offload|recompute_host`, `prefetch=2`, `outer=gpu|host_opt`."""
 
     def depths(self) -> tuple[int, ...]:
         """The prefetch depths the solver may choose: the fixed one, or 1-3."""

@@ -561,6 +561,41 @@ def test_offloaded_activations_bit_identical_to_kept(rounds, modes):
     assert all(not a.pending and not a.restored for a in arenas)
 
 
+@pytest.mark.parametrize("rounds,modes", [(1, ["gpu", "host_opt", "stream", "stream"]), (2, ["stream"] * 4)])
+def test_recomputed_blocks_with_inputs_on_the_host_match_kept(rounds, modes):
+    """recompute_host: a recomputed block's input goes to its host arena in the forward and back
+    for its recompute; the arena holds exactly the block's input (batch x seq x hidden), and the
+    losses and weights are those of keeping every block, bit for bit."""
+    b = batches(3, rounds, seed=7)
+    keep = plan(modes, ["keep"] * 4, "host_opt", rounds)
+    host = plan(modes, ["recompute_host", "recompute", "recompute_host", "offload"], "host_opt", rounds)
+    want, e1 = run_engine(tiny(seed=8), keep, b, rounds, max_norm=0.5)
+    got, e2 = run_engine(tiny(seed=8), host, b, rounds, max_norm=0.5, pin_piece_bytes=40)
+    assert got == want
+    for k, v in e1.model_state_dict().items():
+        assert torch.equal(e2.model_state_dict()[k], v), k
+    inputs = [e2.units[i + 1].activations for i in (0, 2)]
+    hidden = b[0][0].numel() * 32 * 4  # 2 x 16 tokens x 32 hidden, float32
+    assert [a.entries[0][1] for a in inputs] == [hidden, hidden] and all(len(a.entries) == 1 for a in inputs)
+    assert all(not a.pending and not a.restored for a in inputs)
+
+
+def test_input_saving_checkpoint_gives_grads_under_a_frozen_input():
+    """The block's parameters get their grads when its input takes none (a frozen embedding)."""
+    from flame.offload.runtime.hooks import _input_saving_checkpoint
+
+    lin = torch.nn.Linear(4, 4)
+    x = torch.randn(3, 4)  # no grad
+    _input_saving_checkpoint(lambda t, scale: lin(t) * scale, x, 2.0).sum().backward()
+    want = torch.nn.Linear(4, 4)
+    want.load_state_dict(lin.state_dict())
+    (want(x) * 2.0).sum().backward()
+    assert torch.equal(lin.weight.grad, want.weight.grad) and torch.equal(lin.bias.grad, want.bias.grad)
+    lin.zero_grad()
+    _input_saving_checkpoint(lambda hidden_states: lin(hidden_states), hidden_states=x).sum().backward()
+    assert torch.equal(lin.bias.grad, torch.full((4,), 3.0))
+
+
 def test_offload_rejects_an_unknown_activation_mode():
     from flame.errors import ConfigError
 

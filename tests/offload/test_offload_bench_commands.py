@@ -52,6 +52,7 @@ def test_flame_rows_parse_with_flames_config_manager(rows, tmp_path):
         assert cfg.training.compile == ("_compile" in r.name)
         assert cfg.offload.speculative_step == ("_speculative" in r.name)
         assert cfg.training.max_norm == (0.0 if r.name.endswith("_noclip") else 1.0)
+        assert cfg.offload.checkpoint_offload == ("_checkpoint_offload" in r.name)
 
 
 @pytest.mark.parametrize("shape", ["3B", "8B"])

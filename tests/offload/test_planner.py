@@ -726,3 +726,42 @@ def test_one_pass_cpu_adamw_by_hand():
     plain_host, plain_pinned = unit_host_bytes(lay, "stream", bf16)
     host, pinned = unit_host_bytes(lay, "stream", bf16, speculative=True)
     assert host - plain_host == 1e9 * (2 + 4) and pinned - plain_pinned == 1e9 * 2
+
+
+def test_recompute_host_by_hand():
+    """recompute_host: the block runs its forward again in the backward like recompute, keeps
+    nothing on the GPU between its forward and backward, and its input (act_recompute_bytes)
+    crosses D2H in the forward and H2D in the backward into a pinned arena."""
+    gb = 10**9
+    lay = [UnitCosts(f"l{i}", "layer", 0, {}, 1e12, 0.0, 5 * gb, gb, gb) for i in range(2)]
+    out = UnitCosts("outer", "outer", 0, {}, 1e12, 0.0, 0, 0, 0)
+    c = ModelCosts(1, 1, lay + [out], "L")
+    p = prof()
+    rec = predict(c, p, Dtypes(), ["gpu"] * 2, ["recompute"] * 2, "gpu", 1, 1, 1, 15)
+    host = predict(c, p, Dtypes(), ["gpu"] * 2, ["recompute_host"] * 2, "gpu", 1, 1, 1, 15)
+    assert rec.activation_bytes == 2 * gb and host.activation_bytes == 0
+    assert host.h2d_bytes - rec.h2d_bytes == 2 * gb and host.d2h_bytes - rec.d2h_bytes == 2 * gb
+    assert host.pinned_bytes - rec.pinned_bytes == 2 * gb
+    assert host.compute_s == pytest.approx(rec.compute_s)  # the same recompute
+    assert host.step_s >= rec.step_s
+
+
+def test_solver_keeps_recomputed_inputs_on_the_host_only_where_recompute_does_not_fit(costs):
+    """offload.checkpoint_offload: a budget below every block recomputed fits with some blocks'
+    inputs on the host (and fails without the option)."""
+    n = len(costs.layers)
+    all_rec = solve(costs, prof(), Dtypes(), 64 * GiB, 64 * GiB, 2, 1, 15, depths=(1,),
+                    overrides=["weights[*]=host", "outer=host_opt"] + [f"activations[{i}]=recompute" for i in range(n)])
+    need = all_rec.predicted["peak_gpu_bytes"]
+    budget = need - costs.layers[0].act_recompute_bytes * n // 2
+    with pytest.raises(ConfigError):
+        solve(costs, prof(), Dtypes(), budget, 64 * GiB, 2, 1, 15, depths=(1,))
+    plan = solve(costs, prof(), Dtypes(), budget, 64 * GiB, 2, 1, 15, depths=(1,), checkpoint_offload=True)
+    k = plan.layer_acts.count("recompute_host")
+    assert 0 < k and plan.predicted["peak_gpu_bytes"] <= budget and plan.checkpoint_offload
+    assert "recomputed with inputs on the host" in describe(plan, costs)
+    # where recomputing fits, the option only adds choices: never a slower predicted plan
+    roomy = dict(gpu_budget=need + GiB, host_budget=64 * GiB, micro_batch=2, rounds=1, cpu_threads=15, depths=(1,))
+    off = solve(costs, prof(), Dtypes(), **roomy)
+    assert "recompute_host" not in off.layer_acts
+    assert solve(costs, prof(), Dtypes(), **roomy, checkpoint_offload=True).predicted["step_s"] <= off.predicted["step_s"]

@@ -162,3 +162,14 @@ def test_a_family_the_planner_cannot_measure_is_a_one_line_error(tmp_path):
                             "--offload.profile", PROFILE, config=os.path.join(ROOT, "configs/debug/mamba2.json")))
     errors = [l for l in proc.stderr.splitlines() if l.startswith("flame: error:")]
     assert proc.returncode != 0 and len(errors) == 1 and "'mamba2' cannot be measured" in errors[0], proc.stderr[-2000:]
+
+
+def test_recomputed_inputs_on_the_host_through_the_trainer(six_steps, tmp_path):
+    """Every block recomputed with its input in host memory (activation mode recompute_host,
+    forced by override; the model's debug blocks as the trainer builds them): the offloaded run's
+    losses, bit for bit."""
+    _, off = six_steps
+    host = str(tmp_path / "host")
+    run_job(1, host, "--training.steps", "6", *COMMON, "--offload.enable", "on", "--offload.profile", PROFILE,
+            "--offload.overrides", "weights[*]=host,activations[*]=recompute_host")
+    assert losses(host) == losses(off)

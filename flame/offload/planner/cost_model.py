@@ -91,8 +91,10 @@ MODES = ("gpu", "host_opt", "stream")
 # outputs of its matmuls and attention stay, the rest of its forward runs again in the backward
 # (runtime.selective); recompute = only its inputs stay, its whole forward runs again in the
 # backward; offload = saved tensors go to pinned host memory and come back ahead of its backward
-# (runtime.activations)
-ACT_MODES = ("keep", "selective", "recompute", "offload")
+# (runtime.activations); recompute_host = recompute, with its inputs in pinned host memory between
+# its forward and its backward (the same arenas)
+ACT_MODES = ("keep", "selective", "recompute", "offload", "recompute_host")
+RECOMPUTED = ("recompute", "recompute_host")  # modes that run the block's whole forward again
 
 
 # what the engine holds on the GPU for its whole life, by kind (OffloadEngine.memory_report
@@ -254,7 +256,7 @@ def kept_bytes(u: UnitCosts, act: str) -> int:
         return u.act_select_bytes if u.act_select_bytes is not None else u.act_keep_bytes
     if act == "recompute":
         return u.act_recompute_bytes
-    return 0  # offload
+    return 0  # offload, recompute_host
 
 
 def selective_recompute_s(u: UnitCosts, prof: HardwareProfile, scale: float) -> float:
@@ -266,9 +268,13 @@ def selective_recompute_s(u: UnitCosts, prof: HardwareProfile, scale: float) -> 
     return scale * 2 * max(0, u.act_keep_bytes - u.act_select_bytes) / (prof.hbm_gbps * 1e9)
 
 
-def offload_bytes(u: UnitCosts) -> int:
-    """Bytes a block's offloaded activations take on the host and cross PCIe each way (measured
-    micro-batch)."""
+def offload_bytes(u: UnitCosts, act: str = "offload") -> int:
+    """Bytes a block in activation mode `act` keeps on the host, which cross PCIe each way
+    (measured micro-batch): its saved tensors (offload), its inputs (recompute_host), else none."""
+    if act == "recompute_host":
+        return u.act_recompute_bytes
+    if act != "offload":
+        return 0
     return u.act_offload_bytes if u.act_offload_bytes is not None else u.act_keep_bytes
 
 
@@ -367,7 +373,7 @@ def activation_memory(costs: ModelCosts, dt: Dtypes, layer_acts, depth: int, mic
     # offloaded blocks' GPU copies in flight (runtime.activations): in the forward the last two
     # offloaded blocks' until the later one ends, the last one's through the head and loss; in
     # block k's backward the restored ones of blocks k-depth..k
-    off = [scale * offload_bytes(u) if a == "offload" else 0.0 for u, a in zip(layers, layer_acts)]
+    off = [scale * offload_bytes(u, a) for u, a in zip(layers, layer_acts)]
     # The peak is at the end of the forward or in a block's backward. At the end of the forward
     # every activation is alive, plus the loss's transients: the chunked head + loss's own
     # (training.loss_chunk_tokens), the loss backward's (the largest saved tensor, e.g. the
@@ -385,7 +391,7 @@ def activation_memory(costs: ModelCosts, dt: Dtypes, layer_acts, depth: int, mic
         peak = max(peak, act + max(a + b for a, b in zip(offloaded, offloaded[1:])))
     for k, (l, a, la) in enumerate(zip(layers, layer_acts, layer_act)):
         kept += la
-        if a in ("recompute", "selective"):  # the backward holds the block's whole saved set again
+        if a in RECOMPUTED or a == "selective":  # the backward holds the block's whole saved set again
             t = l.bwd_peak_bytes or l.act_keep_bytes + 2 * l.max_saved_bytes
         else:
             t = 2 * l.max_saved_bytes
@@ -487,7 +493,7 @@ def predict(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, layer_modes, l
     compute = 0.0
     # offloaded activations (bytes per unit, 0 for the outer): D2H after the block's forward,
     # H2D with its weights in the backward. The forward's H2D then shares the link with them.
-    off = [0] + [int(scale * offload_bytes(u)) if a == "offload" else 0 for u, a in zip(layers, layer_acts)]
+    off = [0] + [int(scale * offload_bytes(u, a)) for u, a in zip(layers, layer_acts)]
     h2d_fwd, d2h_fwd = (h2d_bwd, d2h_bwd) if any(off) else (h2d, d2h_bwd)
     # the compute after offloaded block i waits for the previous offloaded block's D2H (its GPU
     # copies are dropped then): job i + 1 (forward jobs: the units, then the outer's compute)
@@ -522,7 +528,7 @@ def predict(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, layer_modes, l
             d = tn[k] * wire[k] if sends else 0
             h2d_bytes += b
             d2h_bytes += d
-            redo = times[k][0] if acts[k] == "recompute" else \
+            redo = times[k][0] if acts[k] in RECOMPUTED else \
                 selective_recompute_s(units[k], prof, scale) if acts[k] == "selective" else 0.0
             ct = times[k][1] + redo + add_t[k]
             compute += ct

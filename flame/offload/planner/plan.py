@@ -40,9 +40,12 @@ class Plan:
     selective_recompute: bool = True
     """Whether the solver could choose selective recompute (offload.selective_recompute)."""
     speculative_step: bool = False
-    """Host units start their CPU AdamW as their grads land in the backward, unclipped, and redo
-    it when the step clips or is skipped (offload.speculative_step); their master and moments are
-    copied aside each step (host memory and time counted by the cost model)."""
+    """Host units start their CPU AdamW as their grads land in the backward, unclipped, into a
+    spare set of master and moments, and redo it when the step clips or is skipped
+    (offload.speculative_step; the spare's host memory counted by the cost model)."""
+    checkpoint_offload: bool = False
+    """Whether the solver could keep recomputed blocks' inputs in host memory (activation mode
+    recompute_host; offload.checkpoint_offload); the calibration's re-solve keeps the same choice."""
 
     @property
     def offloads(self) -> bool:

@@ -79,7 +79,8 @@ def refit(plan: Plan, costs, prof, measured_step_s: float, overrides=None,
     new = solve(costs, prof, dt, plan.gpu_budget_bytes, plan.host_budget_bytes, plan.micro_batch, plan.rounds,
                 plan.cpu_threads, depths, overrides=overrides, fudge=fudge, world=plan.world,
                 node_ranks=plan.node_ranks, offload_activations=plan.activation_offload,
-                selective_recompute=plan.selective_recompute, speculative_step=plan.speculative_step)
+                selective_recompute=plan.selective_recompute, speculative_step=plan.speculative_step,
+                checkpoint_offload=plan.checkpoint_offload)
     return fudge, new
 
 

@@ -68,7 +68,7 @@ def _parse_overrides(overrides: list[str], n: int) -> dict:
             table = {"weights": ("mode", {"gpu": "gpu", "host": "stream", "resident": "host_opt"}),
                      "optimizer": ("mode", {"gpu": "gpu", "cpu": "host_opt"}),
                      "activations": ("act", {"keep": "keep", "selective": "selective", "recompute": "recompute",
-                                             "offload": "offload"})}
+                                             "offload": "offload", "recompute_host": "recompute_host"})}
             if name not in table or v not in table[name][1]:
                 raise ConfigError(f"offload.overrides entry {item!r}: unknown key or value")
             kind, vals = table[name]
@@ -93,11 +93,12 @@ def solve(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, gpu_budget: int,
           micro_batch: int, rounds: int, cpu_threads: int, depths=(1, 2, 3), overrides: list[str] | None = None,
           allow_offload: bool = True, fudge: float = 1.0, world: int = 1, node_ranks: int = 1,
           offload_activations: bool = False, selective_recompute: bool = True,
-          speculative_step: bool = False) -> Plan:
+          speculative_step: bool = False, checkpoint_offload: bool = False) -> Plan:
     """The fastest plan whose predicted peak GPU and host bytes fit the budgets
     (`offload_activations`: whether blocks may offload their activations to the host;
     `selective_recompute`: whether blocks may keep their matmul outputs and recompute the rest;
-    `speculative_step`: host units' CPU steps start in the backward, see runtime.host_optimizer).
+    `speculative_step`: host units' CPU steps start in the backward, see runtime.host_optimizer;
+    `checkpoint_offload`: recomputed blocks may keep their inputs in host memory, see runtime.hooks).
 
     Raises ConfigError naming what is missing when nothing fits (before anything is allocated)."""
     n = len(costs.layers)
@@ -126,17 +127,20 @@ def solve(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, gpu_budget: int,
                                              speculative_step)
                         for o in offload_counts:
                             # o blocks offload their activations; the others step down a ladder
-                            # keep -> selective -> recompute, one block a level (memory falls and
-                            # time grows along it): the lowest level that fits, by bisection
+                            # keep -> selective -> recompute (-> recompute_host), one block a level
+                            # (memory falls and time grows along it): the lowest level that fits,
+                            # by bisection
                             m = n - o
+                            top = 2 * m if selective else m  # every block recomputed
 
-                            def at(k, o=o, m=m):
+                            def at(k, o=o, m=m, top=top):
+                                host, k = max(0, k - top), min(k, top)
                                 if not selective:
                                     sel, rec = 0, k
                                 else:
                                     sel, rec = (k, 0) if k <= m else (2 * m - k, k - m)
-                                acts = spread(n, {"offload": o, "recompute": rec, "selective": sel,
-                                                  "keep": m - rec - sel})
+                                acts = spread(n, {"offload": o, "recompute_host": host, "recompute": rec - host,
+                                                  "selective": sel, "keep": m - rec - sel})
                                 return _apply(list(base_modes), acts, ov)
 
                             def memory(k):
@@ -146,7 +150,7 @@ def solve(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, gpu_budget: int,
                                     act_memory[key] = activation_memory(costs, dt, acts, depth, micro_batch)
                                 return combine_memory(state, act_memory[key])
 
-                            lo, hi = 0, 2 * m if selective else m
+                            lo, hi = 0, top + (m if checkpoint_offload else 0)
                             m_hi = memory(hi)
                             pg, ph = m_hi.gpu_bytes, m_hi.host_bytes
                             min_gpu = pg if min_gpu is None else min(min_gpu, pg)
@@ -171,7 +175,8 @@ def solve(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, gpu_budget: int,
                                             outer_gpu_acc=outer_acc, world=world, node_ranks=node_ranks,
                                             activation_offload=offload_activations,
                                             selective_recompute=selective_recompute,
-                                            speculative_step=speculative_step)
+                                            speculative_step=speculative_step,
+                                            checkpoint_offload=checkpoint_offload)
                                 best = (p.step_s, plan)
                             if lo == 0:
                                 break  # nothing recomputed: offloading more only adds copies
@@ -311,7 +316,8 @@ def describe(plan: Plan, costs: ModelCosts) -> str:
         lines.append(f"  blocks {i}-{j}: {what}; activations {plan.layer_acts[i]}{acc}")
         i = j + 1
     c = {m: plan.layer_modes.count(m) for m in ("gpu", "host_opt", "stream")}
-    lines.append(f"  counts: {c}, recomputed {plan.layer_acts.count('recompute')}, selectively recomputed "
+    lines.append(f"  counts: {c}, recomputed {plan.layer_acts.count('recompute')}, recomputed with inputs on the "
+                 f"host {plan.layer_acts.count('recompute_host')}, selectively recomputed "
                  f"{plan.layer_acts.count('selective')}, activations offloaded {plan.layer_acts.count('offload')}, "
                  f"GPU grad accumulators {sum(accs[1:])}")
     if plan.speculative_step:

@@ -141,7 +141,7 @@ class OffloadEngine:
         self.pinned = PinnedBuffers(pin_piece_bytes)
         self._build_buffers()
         for u in self.units:
-            if u.activation_mode == "offload":
+            if u.activation_mode in ("offload", "recompute_host"):
                 u.activations = HostActivations(u.name, self.streams, self.device, self.cuda, pin_piece_bytes)
         self._clip_coefficient: float | None = None  # from clip_grad_norm_, for the next step()
         self.checkpoint = EngineStateDict(model, self.units, self.fqns, self.schedule, self.optimizer, self.streams,

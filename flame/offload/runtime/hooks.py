@@ -39,6 +39,29 @@ def _no_cache(kwargs: dict) -> dict:
     return out
 
 
+def _input_saving_checkpoint(fn, *args, **kwargs):
+    """fn(*args, **kwargs) recomputed in the backward, its hidden-states input saved for it as an
+    autograd saved tensor (torch's reentrant checkpoint saves its tensor inputs; the non-reentrant
+    one keeps them by reference), so that the block's host arena takes it (activation mode
+    recompute_host). The other arguments (rotary tables, masks, lengths) are kept by reference:
+    they are small and need no grads. A hidden state without grad (a frozen embedding below) gets
+    a leaf that takes one, or the block's own parameters would get none."""
+    if args:
+        x, rest = args[0], args[1:]
+
+        def run(t):
+            return fn(t, *rest, **kwargs)
+    else:
+        kwargs = dict(kwargs)
+        x = kwargs.pop("hidden_states")
+
+        def run(t):
+            return fn(hidden_states=t, **kwargs)
+    if not x.requires_grad:
+        x = x.detach().requires_grad_(True)
+    return checkpoint(run, x, use_reentrant=True)
+
+
 def _checkpointed_module(block: nn.Module, mode: str) -> nn.Module:
     """The module whose forward a checkpoint wraps. A selectively recomputed block compiled on its
     own (`--training.compile`) gets the checkpoint inside the compiled graph, the order torch
@@ -71,7 +94,7 @@ class ModelHooks:
         for i, b in enumerate(self.blocks):
             u = self.units[i + 1]
             h += [b.register_forward_pre_hook(self._block_pre(u)), b.register_forward_hook(self._block_post(u))]
-            ckpt = {"recompute": partial(checkpoint, use_reentrant=False),
+            ckpt = {"recompute": partial(checkpoint, use_reentrant=False), "recompute_host": _input_saving_checkpoint,
                     "selective": selective_checkpoint}.get(u.activation_mode)
             if ckpt is not None:
                 inner = _checkpointed_module(b, u.activation_mode)

@@ -53,7 +53,7 @@ class Unit:
     name: str
     params: list[tuple[str, nn.Parameter]]  # (first name, parameter), each parameter once
     mode: str  # gpu | host_opt | stream (see the engine's module docstring)
-    activation_mode: str  # keep | selective | recompute | offload
+    activation_mode: str  # keep | selective | recompute | offload | recompute_host
     accumulate_on_gpu: bool  # host unit, several micro-batches: grads summed on the GPU, sent once a step
     world: InitVar[int] = 1
     rank: InitVar[int] = 0
@@ -69,7 +69,7 @@ class Unit:
     no_decay_ranges: list[tuple[int, int]] = field(default_factory=list)
     # the same coordinates cut into ranges in order: (start, end, decayed), covering the master
     decay_segments: list[tuple[int, int, bool]] = field(default_factory=list)
-    activations: HostActivations | None = None  # activation_mode == "offload": the block's host arena
+    activations: HostActivations | None = None  # offload, recompute_host: the block's host arena
     weights: UnitWeights | None = None
     grads: UnitGrads | None = None
     optimizer: UnitOptimizer | None = None
