@@ -38,6 +38,8 @@ from pathlib import Path
 
 import torch
 
+from flame.utils.cache_dir import cache_dir
+
 logger = logging.getLogger(__name__)
 
 _SOURCE = r"""
@@ -117,14 +119,6 @@ _lib: ctypes.CDLL | None = None
 _error: str | None = None
 
 
-def cache_dir() -> Path:
-    env = os.environ.get("FLAME_CPU_KERNEL_CACHE")
-    if env:
-        return Path(env).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "flame" / "cpu_kernels"
-
-
 def _cpu_signature() -> str:
     """The instruction sets `-march=native` builds for: a library built on one CPU model must not
     load on another (a cache directory shared by a cluster's nodes)."""
@@ -138,7 +132,7 @@ def _cpu_signature() -> str:
 def _build() -> ctypes.CDLL:
     cc = os.environ.get("CC", "cc")
     key = hashlib.sha256((_SOURCE + " ".join(_FLAGS) + cc + _cpu_signature()).encode()).hexdigest()[:16]
-    directory = cache_dir()
+    directory = cache_dir("cpu_kernels", "FLAME_CPU_KERNEL_CACHE")
     directory.mkdir(parents=True, exist_ok=True)
     lib = directory / f"flame_adamw_{key}.so"
     if not lib.exists():

@@ -542,40 +542,40 @@ def test_no_decay_parameters_match_torch_param_groups():
             assert not torch.allclose(sd2[k], v, rtol=1e-5, atol=1e-6), k
 
 
-@pytest.mark.parametrize("rounds,modes", [(1, ["gpu", "host_opt", "stream", "stream"]), (2, ["stream"] * 4)])
-def test_offloaded_activations_bit_identical_to_kept(rounds, modes):
-    """Blocks whose saved tensors go to the host arena and back (with 40-byte pin pieces, so
-    every copy is split) give bit-identical losses and weights to keeping them, mixed with kept
-    and recomputed blocks, over rounds that reuse each arena."""
+def engine_against_kept(modes, acts, rounds):
+    """The engine with activation modes `acts` (40-byte pin pieces, so every copy is split) gives
+    the losses and weights of keeping every block, bit for bit; returns that engine."""
     b = batches(3, rounds, seed=7)
-    keep = plan(modes, ["keep", "recompute", "keep", "keep"], "host_opt", rounds)
-    off = plan(modes, ["offload", "recompute", "offload", "offload"], "host_opt", rounds)
-    want, e1 = run_engine(tiny(seed=8), keep, b, rounds, max_norm=0.5)
-    got, e2 = run_engine(tiny(seed=8), off, b, rounds, max_norm=0.5, pin_piece_bytes=40)
+    want, e1 = run_engine(tiny(seed=8), plan(modes, ["keep"] * 4, "host_opt", rounds), b, rounds, max_norm=0.5)
+    got, e2 = run_engine(tiny(seed=8), plan(modes, acts, "host_opt", rounds), b, rounds, max_norm=0.5,
+                         pin_piece_bytes=40)
     assert got == want
     for k, v in e1.model_state_dict().items():
         assert torch.equal(e2.model_state_dict()[k], v), k
-    arenas = [u.activations for u in e2.units if u.activations is not None]
+    return e2
+
+
+ROUNDS_MODES = [(1, ["gpu", "host_opt", "stream", "stream"]), (2, ["stream"] * 4)]
+
+
+@pytest.mark.parametrize("rounds,modes", ROUNDS_MODES)
+def test_offloaded_activations_bit_identical_to_kept(rounds, modes):
+    """Blocks whose saved tensors go to the host arena and back, mixed with kept and recomputed
+    blocks, over rounds that reuse each arena."""
+    eng = engine_against_kept(modes, ["offload", "recompute", "offload", "offload"], rounds)
+    arenas = [u.activations for u in eng.units if u.activations is not None]
     assert len(arenas) == 3 and all(a.arena is not None and a.arena.numel() >= a.nbytes > 0 for a in arenas)
     # nothing left on the 'GPU' between steps: the forward dropped its copies, the backward its restored ones
     assert all(not a.pending and not a.restored for a in arenas)
 
 
-@pytest.mark.parametrize("rounds,modes", [(1, ["gpu", "host_opt", "stream", "stream"]), (2, ["stream"] * 4)])
+@pytest.mark.parametrize("rounds,modes", ROUNDS_MODES)
 def test_recomputed_blocks_with_inputs_on_the_host_match_kept(rounds, modes):
     """recompute_host: a recomputed block's input goes to its host arena in the forward and back
-    for its recompute; the arena holds exactly the block's input (batch x seq x hidden), and the
-    losses and weights are those of keeping every block, bit for bit."""
-    b = batches(3, rounds, seed=7)
-    keep = plan(modes, ["keep"] * 4, "host_opt", rounds)
-    host = plan(modes, ["recompute_host", "recompute", "recompute_host", "offload"], "host_opt", rounds)
-    want, e1 = run_engine(tiny(seed=8), keep, b, rounds, max_norm=0.5)
-    got, e2 = run_engine(tiny(seed=8), host, b, rounds, max_norm=0.5, pin_piece_bytes=40)
-    assert got == want
-    for k, v in e1.model_state_dict().items():
-        assert torch.equal(e2.model_state_dict()[k], v), k
-    inputs = [e2.units[i + 1].activations for i in (0, 2)]
-    hidden = b[0][0].numel() * 32 * 4  # 2 x 16 tokens x 32 hidden, float32
+    for its recompute; the arena holds exactly the block's input (batch x seq x hidden)."""
+    eng = engine_against_kept(modes, ["recompute_host", "recompute", "recompute_host", "offload"], rounds)
+    inputs = [eng.units[i + 1].activations for i in (0, 2)]
+    hidden = 2 * 16 * 32 * 4  # 2 x 16 tokens x 32 hidden, float32
     assert [a.entries[0][1] for a in inputs] == [hidden, hidden] and all(len(a.entries) == 1 for a in inputs)
     assert all(not a.pending and not a.restored for a in inputs)
 

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Callable, NamedTuple
 
 from flame.errors import ConfigError
+from flame.utils.cache_dir import cache_dir as user_cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -121,11 +122,7 @@ def device_name(device=None) -> str:
 
 
 def cache_dir() -> Path:
-    env = os.environ.get("FLAME_AUTOTUNE_CACHE")
-    if env:
-        return Path(env).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "flame" / "autotune"
+    return user_cache_dir("autotune", "FLAME_AUTOTUNE_CACHE")
 
 
 def _slug(text: str) -> str:
