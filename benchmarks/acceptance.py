@@ -459,6 +459,37 @@ def markdown(doc: dict) -> str:
     return "\n".join(lines)
 
 
+def status(paths: list[str], rows: list[Row]) -> str:
+    """Every row's latest result over the result files `paths` (by their dates; a row not run in
+    a later file keeps its earlier result), with the file and commit it came from; rows no file
+    ran are listed as such. Markdown."""
+    docs = []
+    for path in paths:
+        with open(path) as f:
+            docs.append((path, json.load(f)))
+    latest = {}
+    for path, doc in sorted(docs, key=lambda pd: pd[1]["date"]):
+        for r in doc["results"]:
+            if r.get("exit") != "not run":
+                latest[r["row"]] = (r, doc, os.path.basename(path))
+    lines = ["| row | group | exit | tokens/s | peak reserved GiB | loss first -> last | device | commit | file |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    counts = {"pass": 0, "fail": 0, "never run": 0}
+    for row in rows:
+        if row.name not in latest:
+            counts["never run"] += 1
+            lines.append(f"| {row.name} | {row.group} | never run | | | | | | |")
+            continue
+        r, doc, name = latest[row.name]
+        counts["pass" if r["exit"] == 0 else "fail"] += 1
+        loss = "-" if r.get("loss_first") is None else f"{r['loss_first']:.2f} -> {r['loss_last']:.2f}"
+        tps = "-" if r.get("tokens_per_second") is None else f"{r['tokens_per_second']:,}"
+        mem = "-" if r.get("peak_reserved_gib") is None else f"{r['peak_reserved_gib']:.1f}"
+        lines.append(f"| {row.name} | {row.group} | {r['exit']} | {tps} | {mem} | {loss} | {doc['device']['name']} | "
+                     f"{doc['commit'][:7]} | {name} |")
+    return "\n".join([", ".join(f"{v} {k}" for k, v in counts.items()) + f" of {len(rows)} rows", ""] + lines)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", nargs="?")
@@ -475,12 +506,17 @@ def main() -> int:
                          "GPUs: pass/fail and memory only, tokens/s then are shared)")
     ap.add_argument("--list", action="store_true")
     ap.add_argument("--markdown", metavar="JSON")
+    ap.add_argument("--status", nargs="+", metavar="JSON",
+                    help="every row's latest result over these result files (e.g. one device's), as a table")
     a = ap.parse_args()
     if a.markdown:
         with open(a.markdown) as f:
             print(markdown(json.load(f)))
         return 0
     rows = all_rows(a.steps, a.muon_steps)
+    if a.status:
+        print(status(a.status, rows))
+        return 0
     if a.list:
         for r in rows:
             print(f"{r.group:<8} {r.name:<40} {r.what}")

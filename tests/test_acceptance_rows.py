@@ -105,3 +105,29 @@ def test_gpu_slots_give_each_row_its_own_gpu_when_there_are_enough(monkeypatch):
     assert acceptance.gpu_slots(3) == (["4", "4", "4"], 3)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     assert acceptance.gpu_slots(2) == ([None, None], 2)
+
+
+def test_status_takes_each_rows_latest_run_over_result_files(tmp_path):
+    """--status: a later file's result replaces an earlier one, a later "not run" does not; rows
+    no file ran are counted as never run."""
+    import json
+
+    def doc(date, commit, results):
+        return {"date": date, "commit": commit, "device": {"name": "GPU", "count": 1}, "results": results}
+
+    row = lambda name, exit_, tps=None: {"row": name, "exit": exit_, "tokens_per_second": tps, "peak_reserved_gib": 1.0,
+                                         "loss_first": 2.0, "loss_last": 1.0}
+    early = doc("2026-01-01", "aaaaaaa", [row("flame_readme", 0, 100), row("paper_sdpa", 0, 50)])
+    late = doc("2026-01-02", "bbbbbbb", [row("flame_readme", 1), {"row": "paper_sdpa", "exit": "not run", "reason": "x"}])
+    paths = []
+    for name, d in (("late.json", late), ("early.json", early)):  # file order is not date order
+        paths.append(str(tmp_path / name))
+        with open(paths[-1], "w") as f:
+            json.dump(d, f)
+    rows = [ROWS["flame_readme"], ROWS["paper_sdpa"], ROWS["paper_vanilla"]]
+    text = acceptance.status(paths, rows)
+    assert text.splitlines()[0] == "1 pass, 1 fail, 1 never run of 3 rows"
+    lines = {l.split(" | ")[0].strip("| "): l for l in text.splitlines() if l.startswith("| ") and "---" not in l}
+    assert "| 1 |" in lines["flame_readme"] and "bbbbbbb" in lines["flame_readme"]
+    assert "| 50 |" in lines["paper_sdpa"] and "early.json" in lines["paper_sdpa"]
+    assert "never run" in lines["paper_vanilla"]
