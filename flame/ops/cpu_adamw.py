@@ -114,6 +114,8 @@ void flame_adamw(const void *p, const void *g, const void *m, const void *v,
 """
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-shared"]
 
+DTYPES = {torch.float32, torch.bfloat16}  # of master, moments and grads the kernel takes
+
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _error: str | None = None
@@ -183,9 +185,9 @@ def adamw(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_av
         if t.device.type != "cpu" or not t.is_contiguous() or t.numel() != n:
             raise ValueError("cpu_adamw: flat contiguous CPU tensors of one size expected")
     state_bf16 = param.dtype == torch.bfloat16
-    if any(t.dtype != param.dtype for t in (*state, *dst)) or param.dtype not in (torch.float32, torch.bfloat16):
+    if any(t.dtype != param.dtype for t in (*state, *dst)) or param.dtype not in DTYPES:
         raise ValueError(f"cpu_adamw: master and moments of one dtype, float32 or bfloat16 (got {param.dtype})")
-    if grad.dtype not in (torch.float32, torch.bfloat16) or (compute_copy is not None and compute_copy.dtype != torch.bfloat16):
+    if grad.dtype not in DTYPES or (compute_copy is not None and compute_copy.dtype != torch.bfloat16):
         raise ValueError("cpu_adamw: grads float32 or bfloat16, compute copy bfloat16")
     _lib(param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
          dst[0].data_ptr(), dst[1].data_ptr(), dst[2].data_ptr(), _ptr(compute_copy), n,

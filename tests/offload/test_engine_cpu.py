@@ -419,14 +419,16 @@ def test_host_norm_taken_with_the_last_accumulation():
     eng.close()
 
 
-@pytest.mark.parametrize("kernel", [True, False], ids=["one_pass_kernel", "torch_fused_adamw"])
-def test_bf16_grads_fp32_master_match_gpu_mode(kernel, monkeypatch):
+@pytest.mark.parametrize("kernel,grad", [(True, "bfloat16"), (False, "bfloat16"), (True, "float16")],
+                         ids=["one_pass_kernel", "torch_fused_adamw", "float16_grads"])
+def test_low_precision_grads_fp32_master_match_gpu_mode(kernel, grad, monkeypatch):
     """fp32 master, bf16 grads: the one-pass kernel reads the bf16 grads itself; torch's fused
-    AdamW (where the kernel does not build) converts every unit's grads into one reused buffer (no
-    fresh unit-sized tensor a step). Both give the all-GPU-mode numbers; the host work is timed."""
+    AdamW (where the kernel does not build, or for float16 grads, which it does not take) converts
+    every unit's grads into one reused buffer (no fresh unit-sized tensor a step). All give the
+    all-GPU-mode numbers; the host work is timed."""
     if not kernel:
         monkeypatch.setattr("flame.offload.runtime.host_optimizer.cpu_adamw.available", lambda: False)
-    dt = dict(MIXED, grad="bfloat16")
+    dt = dict(MIXED, grad=grad)
     b = batches(3, 1, seed=9)
     ref, _ = run_engine(tiny(seed=10), plan(["gpu"] * 4, ["keep"] * 4, "gpu", dtypes=dt), b, 1, max_norm=0.5)
     got, eng = run_engine(tiny(seed=10), plan(["stream", "host_opt", "stream", "host_opt"], ["keep"] * 4, "host_opt",
@@ -434,7 +436,7 @@ def test_bf16_grads_fp32_master_match_gpu_mode(kernel, monkeypatch):
     assert eng.optimizer.kernel == kernel
     assert got == pytest.approx(ref, rel=1e-3)
     scratch = eng.optimizer.grad_scratch
-    if kernel:
+    if kernel and grad == "bfloat16":
         assert scratch is None
     else:
         assert scratch.dtype == torch.float32 and scratch.numel() == max(u.grads.accumulator.numel() for u in eng.units)

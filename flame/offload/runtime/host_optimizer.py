@@ -81,8 +81,9 @@ class HostOptimizer:
         self.cpu_threads = cpu_threads  # the CPU worker's torch threads (0: torch's default)
         self.grad_scratch: torch.Tensor | None = None  # master-dtype grads for torch's fused AdamW
         # the one-pass C kernel (flame.ops.cpu_adamw) when it builds here, else torch's fused AdamW
-        self.kernel = any(u.mode != "gpu" and not u.frozen for u in units) and cpu_adamw.available()
-        if not self.kernel and any(u.mode != "gpu" and not u.frozen for u in units):
+        host = any(u.mode != "gpu" and not u.frozen for u in units)
+        self.kernel = host and cpu_adamw.available()
+        if host and not self.kernel:
             logger.info("offload: CPU AdamW: torch's fused kernel (flame's one-pass kernel did not build: %s)",
                         cpu_adamw.unavailable_reason())
 
@@ -122,13 +123,13 @@ class HostOptimizer:
                 u.optimizer.step_done.wait()
         self.worker.check()
 
-    def _decay(self, u: Unit, lr: float) -> None:
-        """The fused AdamW decays the whole flat master (p *= 1 - lr * wd inside its one pass); the
-        no_decay parameters (norms, a small part) are divided by that factor first. A separate
-        decay pass over the decayed parameters cost a full read + write of the master a step."""
+    def _decay(self, u: Unit, lr: float, master: torch.Tensor) -> None:
+        """torch's fused AdamW decays the whole flat `master` (p *= 1 - lr * wd inside its one
+        pass); the no_decay parameters (norms, a small part) are divided by that factor first. A
+        separate decay pass over the decayed parameters cost a full read + write of the master a step."""
         if self.weight_decay:
             for off, n in u.no_decay_ranges:
-                u.optimizer.master.data[off:off + n].div_(1.0 - lr * self.weight_decay)
+                master[off:off + n].div_(1.0 - lr * self.weight_decay)
 
     def step_on_gpu(self, u: Unit, coef: float) -> None:
         """A gpu unit's step now, on the compute stream, from its accumulated grads."""
@@ -137,7 +138,7 @@ class HostOptimizer:
         o.adamw.grad_scale = torch.full((), 1.0 / coef, device=o.master.device) if coef != 1.0 else None
         o.master.grad = acc if acc.dtype == o.master.dtype else acc.to(o.master.dtype)
         o.adamw.param_groups[0]["lr"] = self.lr
-        self._decay(u, self.lr)
+        self._decay(u, self.lr, o.master.data)
         o.adamw.step()
         o.master.grad = None
 
@@ -265,7 +266,7 @@ class HostOptimizer:
         o.adamw.param_groups[0]["lr"] = lr
         t0 = time.perf_counter()
         step = int(st["step"]) + 1
-        if self.kernel:
+        if self.kernel and {o.master.dtype, u.grads.accumulator.dtype} <= cpu_adamw.DTYPES:
             grad = u.grads.accumulator
             copy = host if host is not None and host.dtype == torch.bfloat16 else None
             for a, b, decayed in u.decay_segments:
@@ -287,15 +288,13 @@ class HostOptimizer:
             self.worker.trace.append(("cpu_step", u.index, t0, t1))
 
     def _torch_fused_step(self, u: Unit, src, dst, coef: float, lr: float, step: int) -> None:
-        """Without the C kernel: torch's fused CPU AdamW (in place, so `dst` first gets a copy of
-        `src`) on grads converted to the master dtype; weight decay is the whole master's inside
-        the kernel, so the no_decay ranges are divided by its factor first."""
+        """Without the C kernel (or for float16 master or grads, which it does not take): torch's
+        fused CPU AdamW (in place, so `dst` first gets a copy of `src`) on grads converted to the
+        master dtype."""
         if dst is not src:
             torch._foreach_copy_(list(dst), list(src))
         master = dst[0]
-        if self.weight_decay:
-            for off, n in u.no_decay_ranges:
-                master[off:off + n].div_(1.0 - lr * self.weight_decay)
+        self._decay(u, lr, master)
         torch._fused_adamw_([master], [self._master_grad(u)], [dst[1]], [dst[2]], [],
                             [torch.full((), float(step))], lr=lr, beta1=self.betas[0], beta2=self.betas[1],
                             weight_decay=self.weight_decay, eps=self.eps, amsgrad=False, maximize=False,
