@@ -83,7 +83,13 @@ def build_plan(model, job_config, device, world: int = 1, threads_from_profile: 
             save(prof, path)  # one writer: every rank measures, rank 0 caches
         logger.info("offload: hardware profile measured and cached at %s", path)
     else:
-        raise ConfigError(f"offload.profile={path!r}: not found, and no GPU to measure one")
+        from flame.offload.calculator import BUNDLED_PROFILES
+
+        given = f"offload.profile={path!r}: not found" if off.profile else \
+            f"offload.profile not given and no profile cached at {path!r}"
+        hint = f"; to plan for a GPU you do not have, pass a stored one, e.g. --offload.profile " \
+               f"{os.path.relpath(BUNDLED_PROFILES[0])}" if BUNDLED_PROFILES else ""
+        raise ConfigError(f"{given}, and no GPU here to measure one{hint}")
     if world > 1 and multi_rank() and not (prof.allgather_gbps and prof.reducescatter_gbps):
         from flame.offload.measure.hardware import measure_collectives
 

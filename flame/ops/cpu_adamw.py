@@ -11,8 +11,10 @@ buffers so that the old state stays as it was.
 The kernel is C (OpenMP over the elements), built on first use with the system C compiler
 (`$CC`, else `cc`; Triton needs one too) into `$XDG_CACHE_HOME/flame/cpu_kernels` (overridable
 with `FLAME_CPU_KERNEL_CACHE`), keyed by the source, compiler and CPU's instruction sets, and called through ctypes, which lets
-go of the GIL for the call. Where no compiler works, `available()` is False and the caller uses
-torch's fused AdamW instead.
+go of the GIL for the call. Where no compiler works, or the default cache directory cannot be
+written (a read-only home), `available()` is False and the caller uses torch's fused AdamW
+instead; a `FLAME_CPU_KERNEL_CACHE` that names no writable directory is the user's to fix
+(`ConfigError`).
 
 The update is torch's AdamW (decoupled weight decay, bias corrections) in float32 arithmetic:
   g = grad * grad_mul
@@ -31,6 +33,7 @@ import logging
 import math
 import os
 import platform
+import shutil
 import subprocess
 import tempfile
 import threading
@@ -38,6 +41,7 @@ from pathlib import Path
 
 import torch
 
+from flame.errors import ConfigError
 from flame.utils.cache_dir import cache_dir
 
 logger = logging.getLogger(__name__)
@@ -135,15 +139,26 @@ def _build() -> ctypes.CDLL:
     cc = os.environ.get("CC", "cc")
     key = hashlib.sha256((_SOURCE + " ".join(_FLAGS) + cc + _cpu_signature()).encode()).hexdigest()[:16]
     directory = cache_dir("cpu_kernels", "FLAME_CPU_KERNEL_CACHE")
-    directory.mkdir(parents=True, exist_ok=True)
     lib = directory / f"flame_adamw_{key}.so"
-    if not lib.exists():
-        with tempfile.TemporaryDirectory(dir=directory) as tmp:
+    if not lib.exists():  # (a read-only directory holding the built library is fine)
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            tmp = tempfile.mkdtemp(dir=directory)
+        except OSError as e:
+            env = os.environ.get("FLAME_CPU_KERNEL_CACHE")
+            if env:
+                why = "not a directory" if directory.exists() and not directory.is_dir() else e.strerror
+                raise ConfigError(f"FLAME_CPU_KERNEL_CACHE={env!r}: cannot build the CPU AdamW kernel there ({why}); "
+                                  "name a writable directory or unset it") from None
+            raise
+        try:
             src = Path(tmp) / "adamw.c"
             src.write_text(_SOURCE)
             out = Path(tmp) / lib.name
             subprocess.run([cc, *_FLAGS, str(src), "-o", str(out), "-lm"], check=True, capture_output=True, text=True)
             os.replace(out, lib)  # atomic: concurrent builders each install a whole file
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     f = ctypes.CDLL(str(lib)).flame_adamw
     f.restype = None
     f.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64, ctypes.c_int, ctypes.c_int] + [ctypes.c_float] * 7 + [ctypes.c_int]
@@ -151,15 +166,17 @@ def _build() -> ctypes.CDLL:
 
 
 def available() -> bool:
-    """Whether the kernel is built (on first call) and loads; the reason it is not: `unavailable_reason()`."""
+    """Whether the kernel is built (on first call) and loads; the reason it is not: `unavailable_reason()`.
+    Raises ConfigError when `FLAME_CPU_KERNEL_CACHE` names no directory it can build in."""
     global _lib, _error
     with _lock:
         if _lib is None and _error is None:
             try:
                 _lib = _build()
             except (OSError, subprocess.CalledProcessError) as e:
-                detail = getattr(e, "stderr", "") or str(e)
-                _error = f"{type(e).__name__}: {detail.strip().splitlines()[-1] if detail.strip() else e}"
+                lines = (getattr(e, "stderr", "") or str(e)).strip().splitlines() or [str(e)]
+                # the compiler's first error says why; its last line is often "compilation terminated."
+                _error = f"{type(e).__name__}: {next((x for x in lines if 'error' in x.lower()), lines[-1]).strip()}"
         return _lib is not None
 
 

@@ -8,6 +8,7 @@ import sys
 import pytest
 import torch
 
+from flame.errors import ConfigError
 from flame.ops import cpu_adamw
 
 pytestmark = pytest.mark.skipif(not cpu_adamw.available(), reason="no C compiler: the engine uses torch's fused AdamW")
@@ -115,3 +116,43 @@ def test_concurrent_first_builds_share_one_library(tmp_path):
     for proc in procs:
         assert proc.wait(timeout=120) == 0, proc.stderr.read()
     assert [f.suffix for f in tmp_path.iterdir()] == [".so"]
+
+
+@pytest.fixture
+def fresh_build(monkeypatch):
+    """`available()` builds again (the module keeps its first answer; restored afterwards)."""
+    monkeypatch.setattr(cpu_adamw, "_lib", None)
+    monkeypatch.setattr(cpu_adamw, "_error", None)
+
+
+def test_cache_variable_naming_no_directory_is_a_user_error(tmp_path, monkeypatch, fresh_build):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    for value in (a_file, a_file / "sub"):
+        monkeypatch.setenv("FLAME_CPU_KERNEL_CACHE", str(value))
+        with pytest.raises(ConfigError, match=f"^FLAME_CPU_KERNEL_CACHE='{value}': .*[Nn]ot a directory"):
+            cpu_adamw.available()
+
+
+def test_unwritable_default_cache_falls_back(tmp_path, monkeypatch, fresh_build):
+    """The default cache not writable (a read-only home) is the machine's limit, not a user
+    mistake: no kernel, and the reason names the directory."""
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    monkeypatch.delenv("FLAME_CPU_KERNEL_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(a_file))
+    assert not cpu_adamw.available()
+    assert str(a_file / "flame" / "cpu_kernels") in cpu_adamw.unavailable_reason()
+
+
+def test_compiler_failure_reason_is_its_first_error_line(tmp_path, monkeypatch, fresh_build):
+    cc = tmp_path / "cc"
+    cc.write_text('#!/bin/sh\necho "adamw.c:1: warning: w" >&2\necho "adamw.c:2: error: no omp.h" >&2\n'
+                  'echo "compilation terminated." >&2\nexit 1\n')
+    cc.chmod(0o755)
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("CC", str(cc))
+    monkeypatch.setenv("FLAME_CPU_KERNEL_CACHE", str(cache))
+    assert not cpu_adamw.available()
+    assert cpu_adamw.unavailable_reason() == "CalledProcessError: adamw.c:2: error: no omp.h"
+    assert list(cache.iterdir()) == []  # the build's temporary directory is gone

@@ -301,6 +301,29 @@ def test_cli_infeasible_exits_nonzero(tmp_path, capsys):
     assert "predicted step" in capsys.readouterr().out
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the errors of a machine without a GPU")
+def test_without_gpu_or_profile_one_error_line(tmp_path, capsys, monkeypatch):
+    """The trainer without a profile on CPU, and `python -m flame.offload.profile` on CPU: one
+    `flame: error:` line each (the trainer's names the bundled profile to pass), no traceback."""
+    from types import SimpleNamespace
+
+    from flame.config.manager import FlameConfigManager
+    from flame.offload import build_plan
+    from flame.offload.measure import hardware
+
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=256)
+    cfg.save_pretrained(tmp_path / "m")
+    job = FlameConfigManager().parse_args(["--model.config", str(tmp_path / "m"), "--training.seq_len", "64",
+                                           "--job.dump_folder", str(tmp_path / "dump"), "--offload.enable", "on"])
+    with pytest.raises(ConfigError, match="offload.profile not given.*no GPU.*--offload.profile .*h100_80gb_measured.json"):
+        build_plan(SimpleNamespace(config=cfg), job, "cpu")
+    monkeypatch.setattr("sys.argv", ["profile", str(tmp_path / "p.json")])
+    assert hardware.main() == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "flame: error: offload.profile: measuring a profile needs a CUDA device; pass a stored one"]
+    assert not (tmp_path / "p.json").exists()
+
+
 def test_gpu_grad_accumulation_in_model_and_solver(costs):
     """With rounds > 1 a host unit's GPU accumulator costs numel * grad bytes of GPU memory (none
     for a host_opt unit whose grads are already in grad dtype), removes its per-round D2H and CPU
@@ -707,6 +730,12 @@ def test_speculative_step_by_hand(costs):
     spec = solve(costs, prof(), Dtypes(), **budget, speculative_step=True)
     assert spec.speculative_step and spec.predicted["peak_host_bytes"] <= 64 * GiB
     assert not solve(costs, prof(), Dtypes(), **budget).speculative_step
+    # the printed plan says whether there is a CPU step to speculate
+    host = solve(costs, prof(), Dtypes(), **budget, speculative_step=True, overrides=["weights[*]=host"])
+    resident = solve(costs, prof(), Dtypes(), **dict(budget, gpu_budget=64 * GiB), speculative_step=True)
+    assert resident.layer_modes == ["gpu"] * len(resident.layer_modes) and resident.outer_mode == "gpu"
+    assert "CPU AdamW: speculative (" in describe(host, costs)
+    assert "speculative_step has no effect" in describe(resident, costs)
 
 
 def test_one_pass_cpu_adamw_by_hand():

@@ -239,15 +239,24 @@ def measure_collectives(device, group=None, nbytes: int = 1 << 27, iters: int = 
     return busbytes / float(t[0]) / 1e9, busbytes / float(t[1]) / 1e9
 
 
-def main() -> None:
+def main() -> int:
     """`python -m flame.offload.profile OUT.json`: measure and store a profile."""
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        print("usage: python -m flame.offload.profile [OUT.json]  (default offload_profile.json)\n"
+              "Measures this machine's hardware profile for the offload planner (needs a CUDA GPU, about 25 s).")
+        return 0
     out = sys.argv[1] if len(sys.argv) > 1 else "offload_profile.json"
     t0 = time.perf_counter()
-    p = measure()
+    try:
+        p = measure()
+    except ConfigError as e:
+        print(f"flame: error: {e}", file=sys.stderr)
+        return 2
     save(p, out)
     print(json.dumps(asdict(p), indent=1))
     print(f"profile written to {out} in {time.perf_counter() - t0:.1f} s")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -321,8 +321,12 @@ def describe(plan: Plan, costs: ModelCosts) -> str:
                  f"{plan.layer_acts.count('selective')}, activations offloaded {plan.layer_acts.count('offload')}, "
                  f"GPU grad accumulators {sum(accs[1:])}")
     if plan.speculative_step:
-        lines.append("  CPU AdamW: speculative (each host block steps as its grads land in the backward; redone on "
-                     "clipped steps)")
+        units = zip([plan.outer_mode, *plan.layer_modes], [costs.outer, *costs.layers])
+        if any(m != "gpu" and u.trainable_numel for m, u in units):
+            lines.append("  CPU AdamW: speculative (each host block steps as its grads land in the backward; redone on "
+                         "clipped steps)")
+        else:
+            lines.append("  CPU AdamW: none (every trained parameter steps on the GPU): speculative_step has no effect")
     lines.append(f"  predicted step {pr['step_s'] * 1e3:.1f} ms, {pr['tokens_per_s']:.0f} tokens/s, MFU {100 * pr['mfu']:.1f}% "
                  f"({pr['useful_tflops']:.0f} TFLOP/s useful)")
     lines.append(f"  peak GPU {pr['peak_gpu_bytes'] / GiB:.2f} GiB of {plan.gpu_budget_bytes / GiB:.2f}; host "
