@@ -9,7 +9,7 @@ once and writes the new master, moments and compute copy once: in place, or into
 buffers so that the old state stays as it was.
 
 The kernel is C (OpenMP over the elements), built on first use with the system C compiler
-(`$CC`, else `cc`; Triton needs one too) into `$XDG_CACHE_HOME/flame/cpu_kernels` (overridable
+(`$CC`, a command with its arguments, else `cc`; Triton needs one too) into `$XDG_CACHE_HOME/flame/cpu_kernels` (overridable
 with `FLAME_CPU_KERNEL_CACHE`), keyed by the source, compiler and CPU's instruction sets, and called through ctypes, which lets
 go of the GIL for the call. Where no compiler works, or the default cache directory cannot be
 written (a read-only home), `available()` is False and the caller uses torch's fused AdamW
@@ -33,6 +33,7 @@ import logging
 import math
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -155,7 +156,8 @@ def _build() -> ctypes.CDLL:
             src = Path(tmp) / "adamw.c"
             src.write_text(_SOURCE)
             out = Path(tmp) / lib.name
-            subprocess.run([cc, *_FLAGS, str(src), "-o", str(out), "-lm"], check=True, capture_output=True, text=True)
+            subprocess.run([*shlex.split(cc), *_FLAGS, str(src), "-o", str(out), "-lm"], check=True,
+                           capture_output=True, text=True)
             os.replace(out, lib)  # atomic: concurrent builders each install a whole file
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
