@@ -197,6 +197,10 @@ def _compile_scale(m, blk, micro_batch: int, seq_len: int, device: str, backend:
     scale = seconds_per_call(fwd_bwd) / eager_s
     for p in blk.parameters():
         p.grad = None
+    # the model's blocks share this block's code: without a reset their first compilation would
+    # count as a recompilation, at a second shape that turns dynamic shapes on (nothing of the run
+    # is compiled yet: planning comes before its first forward)
+    torch._dynamo.reset()
     logger.info("offload: one compiled block at micro-batch %d x %d runs in %.2fx its eager time; the plan's "
                 "block times use that", micro_batch, seq_len, scale)
     return scale
