@@ -693,3 +693,23 @@ def test_selective_recompute_of_compiled_blocks_matches_kept():
     got_state = {k.replace("._orig_mod", ""): v for k, v in e2.model_state_dict().items()}
     for k, v in e1.model_state_dict().items():
         torch.testing.assert_close(got_state[k], v, rtol=1e-4, atol=1e-6)
+
+
+def test_input_saving_checkpoint_gives_grads_to_every_tensor_argument():
+    """A second tensor argument that takes grads (a residual passed on) gets them through the
+    recompute, positional or keyword, as without the checkpoint."""
+    from flame.offload.runtime.hooks import _input_saving_checkpoint
+
+    lin = torch.nn.Linear(4, 4)
+
+    def block(h, residual, scale=1.0):
+        return lin(h) * scale + residual * residual
+
+    for as_kw in (False, True):
+        h, r = torch.randn(3, 4, requires_grad=True), torch.randn(3, 4, requires_grad=True)
+        out = _input_saving_checkpoint(block, h, residual=r, scale=2.0) if as_kw else \
+            _input_saving_checkpoint(block, h, r, scale=2.0)
+        out.sum().backward()
+        h2, r2 = h.detach().clone().requires_grad_(), r.detach().clone().requires_grad_()
+        block(h2, r2, scale=2.0).sum().backward()
+        assert torch.equal(h.grad, h2.grad) and torch.equal(r.grad, r2.grad), as_kw

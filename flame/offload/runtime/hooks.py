@@ -40,26 +40,23 @@ def _no_cache(kwargs: dict) -> dict:
 
 
 def _input_saving_checkpoint(fn, *args, **kwargs):
-    """fn(*args, **kwargs) recomputed in the backward, its hidden-states input saved for it as an
-    autograd saved tensor (torch's reentrant checkpoint saves its tensor inputs; the non-reentrant
-    one keeps them by reference), so that the block's host arena takes it (activation mode
-    recompute_host). The other arguments (rotary tables, masks, lengths) are kept by reference:
-    they are small and need no grads. A hidden state without grad (a frozen embedding below) gets
-    a leaf that takes one, or the block's own parameters would get none."""
-    if args:
-        x, rest = args[0], args[1:]
+    """fn(*args, **kwargs) recomputed in the backward, its tensor arguments saved for it as autograd
+    saved tensors (torch's reentrant checkpoint saves its tensor inputs; the non-reentrant one
+    keeps them by reference), so that the block's host arena takes the floating-point ones
+    (activation mode recompute_host). Every tensor, keyword or not, is a checkpoint input, so that
+    grads reach each one; other keyword values (rotary tables in tuples, flags) stay referenced. A
+    block whose inputs take no grads (a frozen embedding below) gets its hidden states as a leaf
+    that takes one, or its own parameters would get none."""
+    keys = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+    inputs = list(args) + [kwargs[k] for k in keys]
+    if not any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs):
+        i = 0 if args else len(args) + keys.index("hidden_states")
+        inputs[i] = inputs[i].detach().requires_grad_(True)
 
-        def run(t):
-            return fn(t, *rest, **kwargs)
-    else:
-        kwargs = dict(kwargs)
-        x = kwargs.pop("hidden_states")
+    def run(*ts):
+        return fn(*ts[:len(args)], **{**kwargs, **dict(zip(keys, ts[len(args):]))})
 
-        def run(t):
-            return fn(hidden_states=t, **kwargs)
-    if not x.requires_grad:
-        x = x.detach().requires_grad_(True)
-    return checkpoint(run, x, use_reentrant=True)
+    return checkpoint(run, *inputs, use_reentrant=True)
 
 
 def _checkpointed_module(block: nn.Module, mode: str) -> nn.Module:
