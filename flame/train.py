@@ -370,7 +370,10 @@ class Trainer(Stateful):
             loss_value = all_sum(loss_total, pd.get_optional_mesh("loss")).item()
             if not math.isfinite(loss_value) and not skipped:
                 raise NonFiniteError(f"non-finite loss ({loss_value}) at step {self.step}; nothing was saved for this step")
-            self.metrics.log(self.step, loss_value, float(grad_norm), lr, {"tokens_seen": self.ntokens_seen * self.dp_degree})
+            # optimizers may report metrics of their own (the offload engine's speculative steps)
+            extra = {"tokens_seen": self.ntokens_seen * self.dp_degree}
+            extra.update(getattr(self.optimizers, "log_metrics", dict)())
+            self.metrics.log(self.step, loss_value, float(grad_norm), lr, extra)
 
     def clip_and_step(self) -> tuple[torch.Tensor, bool]:
         t = self.cfg.training

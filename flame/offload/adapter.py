@@ -10,6 +10,8 @@
   the engine (host or GPU), under the names ``model.state_dict()`` uses.
 """
 
+from collections import Counter
+
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
@@ -24,6 +26,7 @@ class OffloadOptimizers(Stateful):
         self.optimizers = [self.lr_holder]
         # a speculative CPU step (during the backward) takes the lr the schedule has set for this step
         engine.optimizer.next_lr = lambda: self.lr
+        self._last_logged = Counter()  # the speculation counts at the last log_metrics()
 
     def __iter__(self):
         return iter(self.optimizers)
@@ -46,6 +49,15 @@ class OffloadOptimizers(Stateful):
 
     def zero_grad(self) -> None:
         self.engine.zero_grad()
+
+    def log_metrics(self) -> dict:
+        """Metrics of the steps since the last call, for the trainer's log line: with speculative
+        CPU steps, how many host-unit updates were kept, redone and undone."""
+        if not self.engine.optimizer.speculative:
+            return {}
+        counts = self.engine.optimizer.speculations.copy()
+        last, self._last_logged = self._last_logged, counts
+        return {f"offload/speculative_{k}": counts[k] - last[k] for k in ("kept", "redone", "undone")}
 
     def state_dict(self) -> dict:
         sd = self.engine.optimizer_state_dict()

@@ -73,6 +73,11 @@ def test_speculative_cpu_steps_equal_the_usual_ones(six_steps, tmp_path):
             "--training.max_norm", "100")
     report = next(r for r in metrics(unclipped) if "offload/host_speculative_commit_s" in r)
     assert "offload/host_speculative_discarded_s" not in report
+    # every step's log line counts the speculative updates by outcome
+    steps = [r for r in metrics(unclipped) if "loss" in r]
+    assert all("offload/speculative_kept" in r for r in steps)
+    assert sum(r["offload/speculative_kept"] for r in steps) > 0
+    assert sum(r["offload/speculative_redone"] + r["offload/speculative_undone"] for r in steps) == 0
 
 
 def test_plain_checkpoint_resumes_with_offload(six_steps, tmp_path):

@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -80,6 +81,9 @@ class HostOptimizer:
         self.no_decay = no_decay  # names of the parameters without weight decay
         self.cpu_threads = cpu_threads  # the CPU worker's torch threads (0: torch's default)
         self.grad_scratch: torch.Tensor | None = None  # master-dtype grads for torch's fused AdamW
+        # speculative updates of host units so far, by outcome: kept, redone (clipped or another
+        # lr), undone (skipped step); the trainer logs them per step (OffloadOptimizers.log_metrics)
+        self.speculations = Counter()
         # the one-pass C kernel (flame.ops.cpu_adamw) when it builds here, else torch's fused AdamW
         host = any(u.mode != "gpu" and not u.frozen for u in units)
         self.kernel = host and cpu_adamw.available()
@@ -174,6 +178,7 @@ class HostOptimizer:
             return
         kept = coef == 1.0 and o.speculated_lr == self.lr
         o.speculated_lr = None
+        self.speculations["kept" if kept else "redone"] += 1
         self._submit(u, self._commit if kept else self._redo_step, coef, self.lr)
 
     def discard_step(self) -> None:
@@ -183,6 +188,7 @@ class HostOptimizer:
             o = u.optimizer
             if o is not None and o.speculated_lr is not None:
                 o.speculated_lr = None
+                self.speculations["undone"] += 1
                 self._submit(u, self._undo)
 
     def _speculative_step(self, u: Unit, lr: float, upload_read_done, done) -> None:
