@@ -22,8 +22,9 @@ if [ -d /tmp/site_tl ] && PYTHONPATH=/tmp/site_tl:$PYTHONPATH python3 -c "import
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 run_tests() {
-  # one process (the carried wheels have no pytest-xdist, and GPU tests should not share the card)
-  timeout 540 python3 -m pytest -q -x -p no:cacheprovider -o "addopts=-m 'not slow'" $tests > "$out/gpu_tests_$tag.txt" 2>&1
+  # one process (the carried wheels have no pytest-xdist, and GPU tests should not share the card);
+  # no -x: one failure must not hide the other tests' results
+  timeout 540 python3 -m pytest -q -p no:cacheprovider -o "addopts=-m 'not slow'" $tests > "$out/gpu_tests_$tag.txt" 2>&1
   tail -40 "$out/gpu_tests_$tag.txt"
 }
 test_pid=
