@@ -23,8 +23,9 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 run_tests() {
   # one process (the carried wheels have no pytest-xdist, and GPU tests should not share the card);
-  # no -x: one failure must not hide the other tests' results
-  timeout 540 python3 -m pytest -q -p no:cacheprovider -o "addopts=-m 'not slow'" $tests > "$out/gpu_tests_$tag.txt" 2>&1
+  # no -x: one failure must not hide the other tests' results; INFO: a failure's captured log
+  # without torch's DEBUG trace records
+  timeout 540 python3 -m pytest -q -p no:cacheprovider -o log_level=INFO -o "addopts=-m 'not slow'" $tests > "$out/gpu_tests_$tag.txt" 2>&1
   tail -40 "$out/gpu_tests_$tag.txt"
 }
 test_pid=
