@@ -227,7 +227,13 @@ def _wants_offload(model: nn.Module, parallel_dims, job_config, device: torch.de
     """The offload decision: ``on`` always offloads; ``auto`` offloads on a GPU when the planner
     says the plain plan does not fit the budgets (on CPU there is nothing to offload to)."""
     mode = job_config.offload.enable
-    if mode == "off" or (mode == "auto" and device.type != "cuda"):
+    if mode == "auto" and device.type != "cuda":
+        changed = job_config.offload.changed_options()
+        if changed:  # set by the user, unused: say so rather than drop them in silence
+            logger.info("offload: enable=auto offloads only on a GPU; on %s these have no effect: %s "
+                        "(offload.enable on runs the engine here)", device.type, ", ".join(changed))
+        return False
+    if mode == "off":
         return False
     if mode == "auto":
         if _clearly_fits(model, parallel_dims, job_config, device):

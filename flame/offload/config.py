@@ -6,7 +6,7 @@ The lead's JobConfig includes it as section ``offload``:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Literal
 
 from flame.errors import ConfigError
@@ -115,6 +115,12 @@ class Offload:
     def depths(self) -> tuple[int, ...]:
         """The prefetch depths the solver may choose: the fixed one, or 1-3."""
         return (self.prefetch_depth,) if self.prefetch_depth else (1, 2, 3)
+
+    def changed_options(self) -> list[str]:
+        """The options set to other than their defaults, `enable` aside (`offload.<name>`)."""
+        default = Offload()
+        return [f"offload.{f.name}" for f in fields(self) if f.name != "enable"
+                and getattr(self, f.name) != getattr(default, f.name)]
 
     def validate(self) -> None:
         """Raise ConfigError (one line naming the value) on bad input."""

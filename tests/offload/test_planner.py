@@ -794,3 +794,22 @@ def test_solver_keeps_recomputed_inputs_on_the_host_only_where_recompute_does_no
     off = solve(costs, prof(), Dtypes(), **roomy)
     assert "recompute_host" not in off.layer_acts
     assert solve(costs, prof(), Dtypes(), **roomy, checkpoint_offload=True).predicted["step_s"] <= off.predicted["step_s"]
+
+
+def test_auto_on_cpu_says_which_offload_options_have_no_effect(caplog):
+    """offload.enable auto never offloads on CPU: options the user set for the engine are named in
+    one log line, not dropped in silence; with none set nothing is logged."""
+    import logging
+    from types import SimpleNamespace
+
+    from flame.offload import _wants_offload
+
+    def job(**kw):
+        return SimpleNamespace(offload=Offload(**kw))
+
+    with caplog.at_level(logging.INFO, logger="flame.offload"):
+        assert not _wants_offload(None, None, job(speculative_step=True, overrides=["prefetch=2"]), torch.device("cpu"))
+        assert not _wants_offload(None, None, job(), torch.device("cpu"))
+    lines = [r.getMessage() for r in caplog.records if r.name == "flame.offload"]
+    assert len(lines) == 1 and "offload.speculative_step, offload.overrides" in lines[0]
+    assert Offload(enable="on").changed_options() == []
