@@ -223,6 +223,25 @@ def _clearly_fits(model: nn.Module, parallel_dims, job_config, device: torch.dev
     return state < 0.5 * total
 
 
+def refuse_cpu_model_beyond_host(model: nn.Module, parallel_dims, job_config) -> None:
+    """Training on CPU without offload: one-line ConfigError when the host cannot hold even the
+    least the run needs (fp32 weights and grads, 8 bytes a trained parameter, and one fp32
+    moment, 4: Muon's; AdamW keeps two) on this machine's ranks; the run would be killed for
+    memory mid-way. The host's memory is the smallest of its cgroup, Slurm and MemAvailable."""
+    from flame.offload.planner.budgets import host_budget_bytes
+
+    available = host_budget_bytes(0.0, 0.0)
+    shards = max(1, int(getattr(parallel_dims, "dp_shard", 1) or 1) * int(getattr(parallel_dims, "tp", 1) or 1))
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    per_rank = sum(p.numel() * (12 if p.requires_grad else 4) for p in model.parameters()) / shards
+    need = per_rank * ranks
+    if available and need > available:
+        raise ConfigError(f"model of {sum(p.numel() for p in model.parameters()):,} parameters: training it on CPU "
+                          f"needs at least {need / 2**30:.1f} GiB of host memory ({ranks} rank(s); weights, grads "
+                          f"and optimizer state), this machine has {available / 2**30:.1f} GiB available; "
+                          "use a GPU or a smaller model")
+
+
 def _wants_offload(model: nn.Module, parallel_dims, job_config, device: torch.device) -> bool:
     """The offload decision: ``on`` always offloads; ``auto`` offloads on a GPU when the planner
     says the plain plan does not fit the budgets (on CPU there is nothing to offload to)."""
@@ -288,6 +307,8 @@ def maybe_offload(model: nn.Module, parallel_dims, job_config, device: torch.dev
         init_fn(model)
         offloaded = apply_offload(model, job_config, parallel_dims, device)
     if offloaded is None:
+        if device.type == "cpu":
+            refuse_cpu_model_beyond_host(model, parallel_dims, job_config)
         apply_data_parallel(model, parallel_dims, job_config, device)
         model.to_empty(device=device)
         init_fn(model)

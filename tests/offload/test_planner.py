@@ -813,3 +813,24 @@ def test_auto_on_cpu_says_which_offload_options_have_no_effect(caplog):
     lines = [r.getMessage() for r in caplog.records if r.name == "flame.offload"]
     assert len(lines) == 1 and "offload.speculative_step, offload.overrides" in lines[0]
     assert Offload(enable="on").changed_options() == []
+
+
+def test_cpu_run_refuses_a_model_beyond_host_memory(monkeypatch):
+    """Training on CPU without offload: a model whose weights, grads and one moment exceed the
+    host's available memory is one ConfigError naming both, per this machine's ranks; one that
+    fits passes."""
+    from types import SimpleNamespace
+
+    from flame.offload import refuse_cpu_model_beyond_host
+
+    model = meta_model(small_llama())
+    n = sum(p.numel() for p in model.parameters())
+    dims = SimpleNamespace(dp_shard=1, tp=1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr("flame.offload.planner.budgets.host_budget_bytes", lambda *a: 2 * 12 * n + 1)
+    refuse_cpu_model_beyond_host(model, dims, None)
+    monkeypatch.setattr("flame.offload.planner.budgets.host_budget_bytes", lambda *a: 2 * 12 * n - 1)
+    with pytest.raises(ConfigError, match=f"{n:,} parameters.*2 rank"):
+        refuse_cpu_model_beyond_host(model, dims, None)
+    # sharded over the two ranks: half each
+    refuse_cpu_model_beyond_host(model, SimpleNamespace(dp_shard=2, tp=1), None)
