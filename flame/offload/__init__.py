@@ -223,7 +223,7 @@ def _clearly_fits(model: nn.Module, parallel_dims, job_config, device: torch.dev
     return state < 0.5 * total
 
 
-def refuse_cpu_model_beyond_host(model: nn.Module, parallel_dims, job_config) -> None:
+def refuse_cpu_model_beyond_host(model: nn.Module, parallel_dims) -> None:
     """Training on CPU without offload: one-line ConfigError when the host cannot hold even the
     least the run needs (fp32 weights and grads, 8 bytes a trained parameter, and one fp32
     moment, 4: Muon's; AdamW keeps two) on this machine's ranks; the run would be killed for
@@ -308,7 +308,7 @@ def maybe_offload(model: nn.Module, parallel_dims, job_config, device: torch.dev
         offloaded = apply_offload(model, job_config, parallel_dims, device)
     if offloaded is None:
         if device.type == "cpu":
-            refuse_cpu_model_beyond_host(model, parallel_dims, job_config)
+            refuse_cpu_model_beyond_host(model, parallel_dims)
         apply_data_parallel(model, parallel_dims, job_config, device)
         model.to_empty(device=device)
         init_fn(model)

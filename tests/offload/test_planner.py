@@ -828,9 +828,9 @@ def test_cpu_run_refuses_a_model_beyond_host_memory(monkeypatch):
     dims = SimpleNamespace(dp_shard=1, tp=1)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.setattr("flame.offload.planner.budgets.host_budget_bytes", lambda *a: 2 * 12 * n + 1)
-    refuse_cpu_model_beyond_host(model, dims, None)
+    refuse_cpu_model_beyond_host(model, dims)
     monkeypatch.setattr("flame.offload.planner.budgets.host_budget_bytes", lambda *a: 2 * 12 * n - 1)
     with pytest.raises(ConfigError, match=f"{n:,} parameters.*2 rank"):
-        refuse_cpu_model_beyond_host(model, dims, None)
+        refuse_cpu_model_beyond_host(model, dims)
     # sharded over the two ranks: half each
-    refuse_cpu_model_beyond_host(model, SimpleNamespace(dp_shard=2, tp=1), None)
+    refuse_cpu_model_beyond_host(model, SimpleNamespace(dp_shard=2, tp=1))

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from functools import partial
 
 import torch
 import torch.nn as nn
@@ -188,11 +189,7 @@ def _compile_scale(m, blk, micro_batch: int, seq_len: int, device: str, backend:
     args, kwargs = _block_inputs(m, blk, micro_batch, seq_len, device)
     compiled = torch.compile(blk, backend=backend)
 
-    def fwd_bwd():
-        o = compiled(*args, **kwargs)
-        o = o[0] if isinstance(o, (tuple, list)) else o
-        o.backward(torch.ones_like(o))
-
+    fwd_bwd = partial(_block_fwd_bwd, compiled, args, kwargs)
     fwd_bwd()  # compiles
     scale = seconds_per_call(fwd_bwd) / eager_s
     for p in blk.parameters():
@@ -248,6 +245,13 @@ class _Captured(Exception):
     pass
 
 
+def _block_fwd_bwd(blk, args: list, kwargs: dict) -> None:
+    """One forward and backward of `blk` on its captured inputs (ones as the output's gradient)."""
+    o = blk(*args, **kwargs)
+    o = o[0] if isinstance(o, (tuple, list)) else o
+    o.backward(torch.ones_like(o))
+
+
 def _block_inputs(m, blk, micro_batch: int, seq_len: int, device: str) -> tuple[list, dict]:
     """`blk`'s (args, kwargs) in `m`'s own forward at micro_batch x seq_len, the hidden states
     made a leaf that takes grads; the rest of the model (the head) is not run."""
@@ -283,11 +287,7 @@ def _time_block(m, blk, costs, prof, micro_batch: int, seq_len: int, device: str
         with torch.no_grad():
             blk(*args, **kwargs)
 
-    def fwd_bwd():
-        o = blk(*args, **kwargs)
-        o = o[0] if isinstance(o, (tuple, list)) else o
-        o.backward(torch.ones_like(o))
-
+    fwd_bwd = partial(_block_fwd_bwd, blk, args, kwargs)
     tfb = seconds_per_call(fwd_bwd, warm_s=warm_s)
     tf = seconds_per_call(fwd)
     pf, pb = unit_times(costs.layers[0], prof, micro_batch / costs.micro_batch)

@@ -173,7 +173,7 @@ def grad_conversion_bytes(dt: Dtypes) -> int:
     return 0 if dt.grad == dt.master else DTYPE_BYTES[dt.grad] + DTYPE_BYTES[dt.master]
 
 
-def speculative_backup_bytes(dt: Dtypes) -> int:
+def speculative_spare_bytes(dt: Dtypes) -> int:
     """Bytes per trained parameter of a speculative unit's spare master and moments."""
     return DTYPE_BYTES[dt.master] + dt.moments
 
@@ -186,17 +186,17 @@ def unit_host_bytes(u: UnitCosts, mode: str, dt: Dtypes, rounds: int = 1, gpu_ac
     # a frozen parameter is its compute copy alone: no grad buffers, master copy or moments
     n, t = shard_numel(u.numel, world), shard_numel(u.trainable_numel, world)
     g = DTYPE_BYTES[dt.grad]
-    backup = t * speculative_backup_bytes(dt) if speculative else 0
+    spare = t * speculative_spare_bytes(dt) if speculative else 0
     # a spare master that takes turns with the master as the pinned compute copy is pinned too
     spare_pinned = t * dt.c if speculative and not dt.master_extra else 0
     if rounds == 1 or gpu_acc:
         # pinned: compute copy the GPU streams from (the master itself when dtypes match) + the
         # grad accumulator the D2H writes into directly (once per step)
         pinned = n * dt.c + t * g + spare_pinned
-        return pinned - spare_pinned + t * (dt.master_extra + dt.moments) + backup, pinned
+        return pinned - spare_pinned + t * (dt.master_extra + dt.moments) + spare, pinned
     # rounds > 1: grads arrive in compute dtype into a pinned staging buffer, added on the CPU
     pinned = n * dt.c + t * dt.c + spare_pinned
-    return pinned - spare_pinned + t * (dt.master_extra + g + dt.moments) + backup, pinned
+    return pinned - spare_pinned + t * (dt.master_extra + g + dt.moments) + spare, pinned
 
 
 @dataclass
@@ -464,8 +464,8 @@ def predict(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, layer_modes, l
     # speculative: the same CPU work, queued on the CPU worker after the unit's last D2H of the
     # step instead of gating its next forward; the one-pass kernel writes the spare buffers in its
     # pass, torch's in-place fused AdamW needs master and moments copied there first
-    backup = 0 if prof.cpu_adam_one_pass else speculative_backup_bytes(dt)
-    spec_t = [t + n * backup / memcpy if speculative and m != "gpu" else 0.0 for t, n, m in zip(cpu_t, tn, modes)]
+    copied = 0 if prof.cpu_adam_one_pass else speculative_spare_bytes(dt)
+    spec_t = [t + n * copied / memcpy if speculative and m != "gpu" else 0.0 for t, n, m in zip(cpu_t, tn, modes)]
     gate_t = [0.0 if speculative else t for t in cpu_t]
     # host accumulation, every micro-batch after the unit's D2H, on the CPU worker: the first
     # copies the staged grads (read c, write g bytes/param), the others add: same dtype read c,

@@ -251,11 +251,13 @@ class HostOptimizer:
         if u.grads.d2h_done is not None:
             u.grads.d2h_done.synchronize()  # the grads are on the host
 
-    def _state(self, o: UnitOptimizer) -> dict:
-        """The unit's AdamW state in torch's layout (created as torch's AdamW does on a first step)."""
+    @staticmethod
+    def state(o: UnitOptimizer) -> dict:
+        """The unit's AdamW state in torch's layout, created before the first step as torch's AdamW
+        would (step 0, zero moments: exactly what AdamW starts from)."""
         st = o.adamw.state.get(o.master)
         if not st:
-            st = o.adamw.state[o.master] = {"step": torch.zeros((), dtype=torch.float32),
+            st = o.adamw.state[o.master] = {"step": torch.zeros((), dtype=torch.float32, device=o.master.device),
                                             "exp_avg": torch.zeros_like(o.master.data),
                                             "exp_avg_sq": torch.zeros_like(o.master.data)}
         return st
@@ -265,7 +267,7 @@ class HostOptimizer:
         into the unit's spare buffers with the state left as it was. Writes the compute copy
         when it is not the master itself."""
         o = u.optimizer
-        st = self._state(o)
+        st = self.state(o)
         src = (o.master.data, st["exp_avg"], st["exp_avg_sq"])
         dst = o.spare if into_spare else src
         host = None if same_tensor(u.weights.host, o.master) else u.weights.host

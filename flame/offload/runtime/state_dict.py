@@ -91,16 +91,8 @@ class EngineStateDict:
         for u in self.units:
             if u.frozen:  # frozen parameters have no optimizer state (as in a plain run)
                 continue
-            master, adamw = u.optimizer.master, u.optimizer.adamw
-            if not adamw.state.get(master):
-                # DCP loads into the tensors this returns: before the first step they must exist.
-                # Zero moments at step 0 are exactly what AdamW starts from.
-                adamw.state[master] = {
-                    "step": torch.zeros((), dtype=torch.float32, device=master.device),
-                    "exp_avg": torch.zeros_like(master.data),
-                    "exp_avg_sq": torch.zeros_like(master.data),
-                }
-            st = adamw.state[master]
+            adamw = u.optimizer.adamw
+            st = self.optimizer.state(u.optimizer)  # DCP loads into these: before the first step they must exist
             group = {k: v for k, v in adamw.param_groups[0].items() if k != "params"}
             full = {k: self._full(u, st[k]) for k in ("exp_avg", "exp_avg_sq") if k in st}
             for (fqn, p), o in zip(u.params, u.offsets):
