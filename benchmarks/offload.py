@@ -173,7 +173,8 @@ def launcher(row: BenchRow) -> list[str]:
 
 
 def command(row: BenchRow, dump: str) -> list[str]:
-    return [*launcher(row), *row.args, "--job.dump_folder", dump]
+    saved = ["--offload.save_plan", os.path.join(dump, "plan.json")] if row.framework == "flame" else []
+    return [*launcher(row), *row.args, "--job.dump_folder", dump, *saved]
 
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -199,6 +200,20 @@ def planner_report(console: str) -> dict:
     pred_s, meas_s, pred_peak, meas_peak = (float(g) for g in m.groups())
     return {"predicted_step_s": pred_s, "calibration_step_s": meas_s, "predicted_peak_gib": pred_peak,
             "measured_peak_allocated_gib": meas_peak}
+
+
+def offload_log(console: str) -> list[str]:
+    """flame's offload log records, with the lines that continue one (the plan's description)."""
+    out, keep = [], False
+    for line in ANSI.sub("", console).splitlines():
+        if "flame.offload" in line:
+            out.append(line.split(" - ", 3)[-1])
+            keep = True
+        elif keep and line.startswith("  "):
+            out.append(line)
+        else:
+            keep = False
+    return out[-80:]
 
 
 def offload_scalars(metrics_path: str) -> dict:
@@ -266,8 +281,14 @@ def run_bench_row(row: BenchRow, runs: str, cap_s: float, gpu: str | None = None
         out["offload_report"] = offload_scalars(metrics)
         # clipped steps (norm above --training.max_norm) redo a speculative CPU step
         out["grad_norms"] = [round(r["grad_norm"], 3) for r in steps if isinstance(r.get("grad_norm"), (int, float))]
-        out["offload_log"] = [line.split(" - ", 3)[-1] for line in ANSI.sub("", console).splitlines()
-                              if "flame.offload" in line][-40:]
+        out["offload_log"] = offload_log(console)
+        # the plan the run executed and the profile it was solved with: the calculator replays
+        # both (`python -m flame.offload.plan --offload.profile ...`) to explain a row off-device
+        for key, name in (("plan", "plan.json"), ("profile", "offload_profile.json")):
+            path = os.path.join(dump, name)
+            if os.path.isfile(path):
+                with open(path) as f:
+                    out[key] = json.load(f)
         if pr and out["step_s"]:
             out["step_error"] = round(out["step_s"] / pr["predicted_step_s"] - 1, 4)
             out["peak_allocated_error"] = round(pr["measured_peak_allocated_gib"] / pr["predicted_peak_gib"] - 1, 4)

@@ -588,6 +588,10 @@ def main(argv: list[str] | None = None) -> int:
         code = outcome.report("nonfinite", f"flame: stopped: {e}", outcome.EXIT_NONFINITE)
     except BaseException as e:  # torch's CheckpointException is a BaseException
         full = None if isinstance(e, (SystemExit, KeyboardInterrupt)) else outcome.find_errno(e)
+        if isinstance(e, torch.OutOfMemoryError) and trainer is not None:
+            engine = getattr(trainer.optimizers, "engine", None)
+            if engine is not None:  # a plan that did not fit its budget: what was planned, what was there
+                logger.error(engine.memory_explanation())
         if full is None:
             outcome.report_crash(e)
             raise

@@ -261,6 +261,11 @@ def test_memory_report_is_what_the_cost_model_counts(dtypes):
     assert {k: rep[k] for k in want} == want
     assert rep["total"] == sum(want.values()) + rep["other"]
     assert 0 < rep["other"] < 4096  # rotary table, step counters, the norm scalar
+    # what a run out of GPU memory logs: each category's bytes next to the plan's
+    eng.plan.predicted["static_gpu_bytes"] = {k: v + (i + 1) * 2**30 for i, (k, v) in enumerate(want.items())}
+    line = eng.memory_explanation()
+    for i, (k, v) in enumerate(want.items()):
+        assert f"{k} {rep[k] / 2**30:.2f} (planned {(v + (i + 1) * 2**30) / 2**30:.2f})" in line
 
 
 def test_dropped_engine_frees_model_and_buffers():

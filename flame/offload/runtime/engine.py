@@ -256,6 +256,23 @@ class OffloadEngine:
         """Bytes the engine holds on the compute device, by the categories of
         cost_model.static_gpu_bytes (memory.device_bytes says how each is counted)."""
         return device_bytes(self.units, self.schedule, self.gradients, self.model, self.device)
+    def memory_explanation(self) -> str:
+        """The engine's GPU buffers next to the plan's prediction, by category, and the device's
+        allocated bytes now and at peak (logged when the run runs out of GPU memory: what was
+        planned and what was there)."""
+        gib = 2 ** 30
+        have, planned = self.memory_report(), self.plan.predicted.get("static_gpu_bytes") or {}
+        cats = ", ".join(f"{k} {have.get(k, 0) / gib:.2f} (planned {planned.get(k, 0) / gib:.2f})"
+                         for k in sorted(set(have) | set(planned)) if k != "total" and (have.get(k) or planned.get(k)))
+        pr = self.plan.predicted
+        line = (f"offload: GPU memory, GiB: engine buffers: {cats}; planned activations "
+                f"{pr.get('activation_bytes', 0) / gib:.2f}, transients {pr.get('transient_bytes', 0) / gib:.2f}, "
+                f"peak {pr.get('peak_gpu_bytes', 0) / gib:.2f}")
+        if self.cuda:
+            line += (f"; allocated now {torch.cuda.memory_allocated(self.device) / gib:.2f}, "
+                     f"peak {torch.cuda.max_memory_allocated(self.device) / gib:.2f}")
+        return line
+
     # ------------------------------------------------------------------ checkpoint (state_dict.py)
     def model_state_keys(self) -> list[str]:
         """The names model_state_dict returns (no gathering)."""

@@ -16,6 +16,7 @@ summed) and combined once a step, with one host sync.
 from __future__ import annotations
 
 import threading
+from concurrent.futures import Future
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -73,6 +74,9 @@ class Gradients:
         # called with a host unit once its grads of the step are complete (queued for the host):
         # the optimizer's speculative step (None: nothing to do then)
         self.on_complete: Callable[[Unit], None] | None = None
+        # the step's last host accumulation job: the norm waits for it, not for the speculative
+        # steps queued among the accumulations (the forward waits for those per unit)
+        self.last_accumulation: Future | None = None
 
     # ------------------------------------------------------------------ buffers
     def build_conversion(self) -> None:
@@ -205,7 +209,7 @@ class Gradients:
             self.worker.account("accumulate_and_norm" if last else "accumulate", u.index, t)
             g.staging_free.set()
 
-        self.worker.submit(accumulate)
+        self.last_accumulation = self.worker.submit(accumulate)
         if last:
             self._complete(u)  # queued after the add: the worker runs jobs in order
 
@@ -280,7 +284,12 @@ class Gradients:
             if u.accumulate_on_gpu and not u.grads.sent and self.round > 0:
                 self._send_accumulated(u)
         t = time.perf_counter()
-        self.worker.wait()  # all accumulations queued by the backward are done (they wait on D2H events)
+        # all accumulations queued by the backward are done (they wait on D2H events; the worker
+        # runs jobs in order, so the last one's end means every earlier one's)
+        if self.last_accumulation is not None:
+            self.last_accumulation.result()
+            self.last_accumulation = None
+        self.worker.check()
         self.worker.seconds["step_waits_for_accumulation"] += time.perf_counter() - t
         sq = self.gpu_sq.clone()  # the norms taken on the GPU as grads left for the host
         gpu_units = [u for u in self.units if u.mode == "gpu" and not u.frozen]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 import weakref
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from flame.offload.runtime.host_math import HostMath
 from flame.offload.runtime.switch_interval import ShortSwitchInterval
@@ -33,8 +33,10 @@ class CpuWorker:
         self.switch_interval.acquire()
         weakref.finalize(self, self.switch_interval.release)
 
-    def submit(self, fn, *args) -> None:
-        self.pool.submit(fn, *args).add_done_callback(self._keep_error)
+    def submit(self, fn, *args) -> Future:
+        future = self.pool.submit(fn, *args)
+        future.add_done_callback(self._keep_error)
+        return future
 
     def _keep_error(self, future) -> None:
         if self.error is None and future.exception() is not None:
