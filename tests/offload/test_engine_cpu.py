@@ -587,6 +587,25 @@ def test_recomputed_blocks_with_inputs_on_the_host_match_kept(rounds, modes):
     assert all(not a.pending and not a.restored for a in inputs)
 
 
+@pytest.mark.parametrize("act,alive", [("recompute_host", 0), ("recompute", 4)])
+def test_recompute_host_keeps_no_block_input_beside_its_host_copy(act, alive):
+    """After the forward, no recompute_host block's input is alive (its only copy is in the arena,
+    a reference kept until the backward would hold it on the GPU); a plain recomputed block keeps
+    its input by design."""
+    import weakref
+
+    mod = tiny()
+    eng = OffloadEngine(mod, plan(["stream"] * 4, [act] * 4, "host_opt"), torch.device("cpu"), lr=1e-2)
+    refs = []
+    for b in mod.model.layers:
+        b.register_forward_pre_hook(lambda m, a: refs.append(weakref.ref(a[0])))
+    loss = loss_of(mod, batches(1, 1)[0][0])
+    assert len(refs) == 4 and sum(r() is not None for r in refs) == alive
+    loss.backward()
+    eng.optimizer_step(1.0, True)
+    eng.close()
+
+
 def test_input_saving_checkpoint_gives_grads_under_a_frozen_input():
     """The block's parameters get their grads when its input takes none (a frozen embedding)."""
     from flame.offload.runtime.hooks import _input_saving_checkpoint

@@ -53,8 +53,13 @@ def _input_saving_checkpoint(fn, *args, **kwargs):
         i = 0 if args else len(args) + keys.index("hidden_states")
         inputs[i] = inputs[i].detach().requires_grad_(True)
 
+    # the recompute closes over no tensor argument: the checkpoint keeps its function until the
+    # backward, and a reference there would keep the input on the GPU beside its host copy
+    n = len(args)
+    others = {k: v for k, v in kwargs.items() if k not in keys}
+
     def run(*ts):
-        return fn(*ts[:len(args)], **{**kwargs, **dict(zip(keys, ts[len(args):]))})
+        return fn(*ts[:n], **others, **dict(zip(keys, ts[n:])))
 
     return checkpoint(run, *inputs, use_reentrant=True)
 
