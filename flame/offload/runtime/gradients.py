@@ -15,11 +15,10 @@ summed) and combined once a step, with one host sync.
 Early pieces (one micro-batch a step, an unsharded host unit, speculative steps): a parameter
 that is a large part of its unit (cost_model.early_piece: the untied output head of the outer
 unit, whose grad the loss's backward delivers first) is handed on alone as soon as its grad
-arrives: its range goes D2H into the same staging buffer, its norm is taken, and the optimizer
-is told (a speculative CPU step over that range), while the rest of the unit's backward runs.
-When the unit completes, the rest goes the same way. The unit's squared norm is the sum of its
-pieces' squared norms in piece order, taken the same way with or without speculation, so the
-two give the same norm bit for bit.
+arrives: its range goes D2H into the same staging buffer and the optimizer is told (a
+speculative CPU step over that range) while the rest of the unit's backward runs. When the unit
+completes, the rest goes the same way. The piece's grads stay in the GPU buffer until then: the
+unit's norm is taken and the buffer zeroed over the whole unit at once, as without early pieces.
 """
 
 from __future__ import annotations
@@ -62,9 +61,7 @@ class UnitGrads:
     flushed: bool = False  # this micro-batch's grads were handed on
     sent: bool = False  # this step's GPU-accumulated grads went to the host
     host_sq_norm: float | None = None  # squared norm of the host accumulator, once its last round is added
-    # one round a step: this micro-batch's grad norm (GPU, float32) of each of the unit's pieces
-    # handed on so far, None for those not yet
-    piece_norms: list = field(default_factory=list)
+    sent_pieces: set[int] = field(default_factory=set)  # this micro-batch's pieces handed on (Unit.pieces)
 
 
 class Gradients:
@@ -111,7 +108,6 @@ class Gradients:
             return
         if self.direct and not u.sharded and not u.accumulate_on_gpu:
             self._cut_pieces(u)
-        g.piece_norms = [None] * len(u.pieces)
         if self.direct or u.accumulate_on_gpu:
             # grads arrive on the host once a step already in grad dtype (converted or
             # accumulated on the GPU), straight into the accumulator the CPU AdamW reads
@@ -154,8 +150,8 @@ class Gradients:
                 if u.mode == "host_opt" and u.grads.buffer_free is not None:
                     torch.cuda.current_stream().wait_event(u.grads.buffer_free)
         for u in self.units:
-            g = u.grads
-            g.arrived, g.flushed, g.piece_norms = 0, False, [None] * len(g.piece_norms)
+            u.grads.arrived, u.grads.flushed = 0, False
+            u.grads.sent_pieces.clear()
 
     def lend_slot(self, u: Unit) -> None:
         """A streamed unit's backward begins: a zeroed grad slot receives its grads."""
@@ -180,7 +176,7 @@ class Gradients:
         if k in u.early and self.on_sent is not None:
             if self.round > 0:
                 raise RuntimeError(TOO_MANY_ROUNDS.format(self.rounds))
-            self._send(u, g.buffer, [u.early[k]])
+            self._send(u, g.buffer, [u.early[k]], then_zero=None)  # zeroed with the rest
         return False
 
     def end_round(self) -> None:
@@ -202,16 +198,16 @@ class Gradients:
         if u.accumulate_on_gpu:
             self._accumulate_on_gpu(u, grad)
             return
-        if self.direct:  # the pieces not handed on yet (all but the early ones)
-            self._send(u, grad, [i for i, n in enumerate(g.piece_norms) if n is None])
-            # the unit's squared norm: its pieces' in piece order, whenever each was taken
-            self.gpu_sq += g.piece_norms[0].square() if len(u.pieces) == 1 else \
-                torch.stack(g.piece_norms).square().sum()
+        zero = g.buffer if u.mode == "host_opt" and not u.sharded else None
+        if self.direct:
+            # the norm of the full grad (of the own shard), computed on the GPU while the copy runs
+            self.gpu_sq += torch.linalg.vector_norm(grad, dtype=torch.float32).square()
+            # the pieces not handed on yet: all but the early ones; the buffer zeroed after their copy
+            self._send(u, grad, [i for i in range(len(u.pieces)) if i not in g.sent_pieces], zero)
         else:
             g.staging_free.wait()
             g.staging_free.clear()
-            self._d2h(u, lambda: self._copy_out(u, grad, 0, u.shard_numel),
-                      [g.buffer] if u.mode == "host_opt" and not u.sharded else [])
+            self._d2h(u, lambda: self._copy_out(u, grad, 0, u.shard_numel), zero)
         if u.sharded:
             g.shard_free = g.d2h_done
         elif g.slot is not None:
@@ -237,20 +233,16 @@ class Gradients:
         if last:
             self._sent(u, [0])  # queued after the add: the worker runs jobs in order
 
-    def _send(self, u: Unit, grad: torch.Tensor, pieces: list[int]) -> None:
+    def _send(self, u: Unit, grad: torch.Tensor, pieces: list[int], then_zero: torch.Tensor | None) -> None:
         """One round a step: `pieces` of `u`'s grads (`grad`: its buffer, or this rank's shard)
-        to the host. Each piece's norm is taken on the GPU while the copy runs; the copied ranges
-        of a host_opt grad buffer (only those) are zeroed after the copy."""
-        g = u.grads
-        ranges = [u.pieces[i] for i in pieces]
-        for i, (a, b) in zip(pieces, ranges):
-            g.piece_norms[i] = torch.linalg.vector_norm(grad[a:b], dtype=torch.float32)
+        to the host, then `then_zero` zeroed; the optimizer is told."""
+        u.grads.sent_pieces.update(pieces)
 
         def copy_out():
-            for a, b in ranges:
-                self._copy_out(u, grad, a, b)
+            for i in pieces:
+                self._copy_out(u, grad, *u.pieces[i])
 
-        self._d2h(u, copy_out, [g.buffer[a:b] for a, b in ranges] if u.mode == "host_opt" and not u.sharded else [])
+        self._d2h(u, copy_out, then_zero)
         self._sent(u, pieces)
 
     def _copy_out(self, u: Unit, grad: torch.Tensor, lo: int, hi: int) -> None:
@@ -312,20 +304,20 @@ class Gradients:
         self.gpu_sq += torch.linalg.vector_norm(g.device_accumulator, dtype=torch.float32).square()
         # accumulated in its grad buffer: empty it for the next step once copied
         self._d2h(u, lambda: self.s.copy(g.staging, 0, u.shard_numel, g.device_accumulator, to_host=True),
-                  [g.buffer] if g.device_accumulator is g.buffer else [])
+                  g.buffer if g.device_accumulator is g.buffer else None)
         self._sent(u, [0])
 
-    def _d2h(self, u: Unit, copy_out, then_zero: list[torch.Tensor]) -> None:
+    def _d2h(self, u: Unit, copy_out, then_zero: torch.Tensor | None) -> None:
         """Run `copy_out` (u's grads into its pinned staging buffer) on the D2H stream after the
-        compute stream's work so far, then zero the tensors `then_zero` there; record when it is done."""
+        compute stream's work so far, then zero `then_zero` there; record when it is done."""
         g = u.grads
         cur = self.s.current()
         with self.s.on(self.s.d2h):
             if self.s.cuda:
                 self.s.d2h.wait_stream(cur)
             copy_out()
-            for t in then_zero:
-                t.zero_()
+            if then_zero is not None:
+                then_zero.zero_()
             g.d2h_done = self.s.record(self.s.d2h)
         g.buffer_free = g.d2h_done
 

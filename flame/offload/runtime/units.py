@@ -71,7 +71,7 @@ class Unit:
     decay_segments: list[tuple[int, int, bool]] = field(default_factory=list)
     # [start, end) ranges of the (shard of the) flat buffers, in order, covering them: cut at the
     # parameters whose grads are handed on alone as soon as they arrive (gradients.py: early
-    # pieces); one range otherwise. The grad norm and the CPU AdamW run piece by piece either way.
+    # pieces); one range otherwise. The CPU AdamW runs piece by piece either way.
     pieces: list[tuple[int, int]] = field(init=False)
     early: dict[int, int] = field(default_factory=dict)  # parameter index -> its piece, for those parameters
     activations: HostActivations | None = None  # offload, recompute_host: the block's host arena
