@@ -99,7 +99,8 @@ class ModelHooks:
                 self._wrapped.append(inner)
         for u in self.units:
             for k, (_, p) in enumerate([] if u.frozen else u.params):
-                h.append(p.register_post_accumulate_grad_hook(self._weak_unit_call(partial(ModelHooks._grad_arrived, k=k), u)))
+                arrived = self._weak_unit_call(partial(ModelHooks._grad_arrived, k=k), u)
+                h.append(p.register_post_accumulate_grad_hook(arrived))
         self._handles = h
 
     def remove(self) -> None:
