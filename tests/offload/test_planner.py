@@ -738,6 +738,39 @@ def test_speculative_step_by_hand(costs):
     assert "speculative_step has no effect" in describe(resident, costs)
 
 
+def test_speculative_early_head_by_hand(costs):
+    """speculative_step, one round: the outer's untied head (a third of it or more) is an early
+    piece: its D2H and its share of the outer's CPU step run from the backward's start, ahead of
+    the blocks', not after the outer's backward (the same work and bytes); not when tied (measured
+    head_numel 0), with several rounds, or with the outer on the GPU."""
+    assert costs.outer.head_numel == 32000 * 1024  # small_llama: untied
+    tied = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True)
+    assert measure_costs(meta_model(tied), 1, 16).outer.head_numel == 0
+    lay = UnitCosts("l", "layer", 10**9, {}, 1e12, 0.0, 0, 0, 0)
+    p = prof(cpu_adam_one_pass=True)
+    bwd, d2h, cpu = 2e12 / 500e12, 4e9 / (70e9 * 0.5), 1e9 / 4e9  # per 1e9 params: fp32 grads, one-pass AdamW
+
+    def run(head_numel, outer="host_opt", rounds=1, speculative=True):
+        out = UnitCosts("outer", "outer", 10**9, {}, 0.0, 0.0, 0, 0, 0, head_numel=head_numel)
+        return predict(ModelCosts(1, 1, [lay, out], "L"), p, Dtypes(), ["stream"], ["keep"], outer, 1, 1, rounds,
+                       15, speculative=speculative)
+
+    early, whole = run(5 * 10**8), run(0)
+    # the head's half of the outer: D2H, then its CPU step, from the start; the block's D2H queues
+    # behind the head's, its CPU step behind the head's; then the rest of the outer
+    d_block = max(bwd, d2h / 2) + d2h
+    cpu_block = max(d_block, d2h / 2 + cpu / 2) + cpu
+    assert early.phase_s[1] == pytest.approx(max(d_block + d2h / 2, cpu_block) + cpu / 2)
+    # without an early head: the outer's whole D2H and CPU step after the block's
+    assert whole.phase_s[1] == pytest.approx(max(bwd + 2 * d2h, bwd + d2h + cpu) + cpu)
+    assert early.phase_s[1] < whole.phase_s[1]
+    assert (early.cpu_s, early.d2h_bytes) == (whole.cpu_s, whole.d2h_bytes)
+    for kw in (dict(rounds=2), dict(speculative=False), dict(outer="gpu")):
+        assert run(5 * 10**8, **kw).phase_s == run(0, **kw).phase_s
+    assert run(3 * 10**8).phase_s == whole.phase_s  # below a third of the outer: not an early piece
+
+
 def test_one_pass_cpu_adamw_by_hand():
     """A profile measured with flame's one-pass CPU AdamW: the measured rate is the whole host
     step (no separate compute copy), and a speculative step copies nothing aside; its spare

@@ -1,7 +1,9 @@
 """Speculative CPU steps (plan.speculative_step): host units step as their grads land in the
 backward, and keep, redo or undo that update at step(). Every outcome must equal the
 non-speculative engine's bit for bit: unclipped steps (kept), clipped steps and a changed lr
-(redone), skipped steps (undone), over the three ways grads reach the host."""
+(redone), skipped steps (undone), over the three ways grads reach the host. With one round a step
+the outer unit's untied head is an early piece (stepped alone as soon as its grad arrives, the
+rest of the outer when the embedding's grad completes it): the same bit for bit."""
 
 import math
 
@@ -9,16 +11,23 @@ import pytest
 import torch
 
 from flame.offload.runtime.engine import OffloadEngine
-from tests.offload.test_engine_cpu import batches, loss_of, plan, tiny
+from tests.offload.test_engine_cpu import F32, batches, loss_of, plan, tiny
 
 MODES = (["stream", "host_opt", "stream", "gpu"], ["keep", "recompute", "keep", "keep"], "host_opt")
 
 
-def run(speculative, rounds, accs, max_norms, lrs, nan_step=None, tell_lr=True):
+# bf16 compute copy and fp32 grads: grads converted on the 'GPU' before D2H, a separate compute copy
+BF16_COMPUTE = dict(F32, compute="bfloat16")
+
+
+def run(speculative, rounds, accs, max_norms, lrs, nan_step=None, tell_lr=True, dtypes=F32):
     model = tiny(seed=7)
-    p = plan(*MODES, rounds, accs=accs, outer_acc=bool(accs))
+    p = plan(*MODES, rounds, accs=accs, outer_acc=bool(accs), dtypes=dtypes)
     p.speculative_step = speculative
-    eng = OffloadEngine(model, p, torch.device("cpu"), lr=lrs[0], betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    eng = OffloadEngine(model, p, torch.device("cpu"), lr=lrs[0], betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+                        no_decay={"model.norm.weight", "model.embed_tokens.weight"})
+    head = next(k for k, (n, _) in enumerate(eng.units[0].params) if n == "lm_head.weight")
+    assert (head in eng.units[0].early) == (rounds == 1)  # the head is an early piece with one round
     losses, skipped = [], []
     for i, step in enumerate(batches(len(max_norms), rounds, seed=3)):
         if tell_lr:  # as OffloadOptimizers does: the schedule's lr of this step
@@ -49,16 +58,19 @@ def assert_same(a, b):
                 assert v == sd_b[k], k
 
 
-@pytest.mark.parametrize("rounds,accs,kernel", [(1, (), True), (2, (), True), (2, (True,) * 4, True), (1, (), False)],
-                         ids=["one_round", "host_accumulation", "gpu_accumulation", "torch_fused_adamw"])
-def test_speculative_steps_equal_the_plain_engine(rounds, accs, kernel, monkeypatch):
+@pytest.mark.parametrize("rounds,accs,kernel,dtypes", [(1, (), True, F32), (2, (), True, F32),
+                                                      (2, (True,) * 4, True, F32), (1, (), False, F32),
+                                                      (1, (), True, BF16_COMPUTE), (1, (), False, BF16_COMPUTE)],
+                         ids=["one_round", "host_accumulation", "gpu_accumulation", "torch_fused_adamw",
+                              "bf16_compute", "bf16_compute_torch_fused_adamw"])
+def test_speculative_steps_equal_the_plain_engine(rounds, accs, kernel, dtypes, monkeypatch):
     if not kernel:  # torch's fused AdamW, as where flame's C kernel does not build
         monkeypatch.setattr("flame.offload.runtime.host_optimizer.cpu_adamw.available", lambda: False)
     # unclipped (0: no clipping; 100: above the norm), clipped (1e-3), at a changing lr
     max_norms = [0.0, 1e-3, 100.0, 1e-3, 0.0]
     lrs = [1e-2, 1e-2, 5e-3, 5e-3, 2e-3]
-    plain = run(False, rounds, accs, max_norms, lrs)
-    spec = run(True, rounds, accs, max_norms, lrs)
+    plain = run(False, rounds, accs, max_norms, lrs, dtypes=dtypes)
+    spec = run(True, rounds, accs, max_norms, lrs, dtypes=dtypes)
     assert_same(spec, plain)
     assert spec[4].get("speculative_commit", 0) > 0  # speculative updates were kept
     assert spec[4].get("speculative_discarded", 0) > 0  # and redone where the steps clipped
@@ -76,9 +88,46 @@ def test_skipped_step_and_unknown_lr_undo_or_redo_it():
     """A NaN step is skipped (its speculative update undone, compute copies included); without the
     schedule's lr the speculation uses the last one, and a changed lr redoes the step."""
     max_norms, lrs = [1.0, 1.0, 1.0, 1.0], [1e-2, 1e-2, 3e-3, 3e-3]
-    for tell_lr in (True, False):
-        plain = run(False, 1, (), max_norms, lrs, nan_step=1, tell_lr=tell_lr)
-        spec = run(True, 1, (), max_norms, lrs, nan_step=1, tell_lr=tell_lr)
+    for tell_lr, dtypes in ((True, F32), (False, F32), (True, BF16_COMPUTE)):
+        plain = run(False, 1, (), max_norms, lrs, nan_step=1, tell_lr=tell_lr, dtypes=dtypes)
+        spec = run(True, 1, (), max_norms, lrs, nan_step=1, tell_lr=tell_lr, dtypes=dtypes)
         assert spec[1] == [1]
         assert_same(spec, plain)
         assert spec[4].get("speculative_discarded", 0) > 0
+
+
+def test_the_head_steps_before_the_outer_unit_completes():
+    """The untied head's grad arrives first in the backward: its speculative CPU step runs while the
+    blocks' backward does, before the embedding's grad completes the outer unit; the rest of the
+    outer steps after. A block (no parameter a third of it) stays one piece."""
+    model = tiny(seed=7)
+    p = plan(*MODES)
+    p.speculative_step = True
+    eng = OffloadEngine(model, p, torch.device("cpu"), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    outer = eng.units[0]
+    head = next(k for k, (n, _) in enumerate(outer.params) if n == "lm_head.weight")
+    assert outer.pieces[outer.early[head]] == (outer.offsets[head], outer.numel)
+    assert all(u.pieces == [(0, u.numel)] for u in eng.units[1:])
+    eng.worker.trace = []
+
+    def outer_steps():
+        return sum(1 for kind, unit, *_ in list(eng.worker.trace) if (kind, unit) == ("cpu_step", 0))
+
+    before_embedding = []
+
+    def at_embedding_grad(grad):  # every block's backward has run, the embedding's grad not yet
+        eng.worker.wait()
+        before_embedding.append(outer_steps())
+
+    def on_embedding(mod, args, out):
+        out.register_hook(at_embedding_grad)
+
+    model.model.embed_tokens.register_forward_hook(on_embedding)
+    for i, step in enumerate(batches(3, 1, seed=3)):
+        loss_of(model, step[0]).backward()
+        eng.step()  # unclipped: every speculative update is kept
+        eng.zero_grad()
+        eng.synchronize()
+        assert before_embedding[i] == 2 * i + 1  # this step's head piece (and the earlier steps' two pieces)
+        assert outer_steps() == 2 * i + 2
+    assert eng.optimizer.speculations == {"kept": 3 * sum(u.mode != "gpu" for u in eng.units)}

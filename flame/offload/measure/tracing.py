@@ -106,6 +106,17 @@ def _role(name: str) -> str:
     return parts[-2] if len(parts) >= 2 else parts[-1]
 
 
+def _head_numel(model: nn.Module) -> int:
+    """Elements of the output head's weight when it is trained and not the input embedding's."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if get is not None else None
+    w = getattr(head, "weight", None)
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if not isinstance(w, nn.Parameter) or not w.requires_grad or w is getattr(emb, "weight", None):
+        return 0
+    return w.numel()
+
+
 def measure_costs(model: nn.Module, micro_batch: int, seq_len: int, loss: bool = True,
                   loss_chunk_tokens: int = 0) -> ModelCosts:
     """Run one fwd+bwd of `model` (any device, meta included) and charge costs to blocks.
@@ -205,7 +216,7 @@ def measure_costs(model: nn.Module, micro_batch: int, seq_len: int, loss: bool =
         head_bwd = 2 * 2.0 * micro_batch * seq_len * head.weight.numel()
         outer_flops -= head_bwd
     units.append(UnitCosts("outer", "outer", numel, roles, outer_flops, rec.attn.get("outer", 0.0), act, act,
-                           rec.max_saved.get("outer", 0), head_bwd, frozen_numel=frozen))
+                           rec.max_saved.get("outer", 0), head_bwd, frozen_numel=frozen, head_numel=_head_numel(model)))
     extra = {}
     if head is not None:
         # inside the chunked forward, on top of the float32 weight-grad accumulator: per chunk its

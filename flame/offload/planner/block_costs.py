@@ -45,6 +45,12 @@ class UnitCosts:
     """Of numel, the parameters that take no gradient (a LoRA base): they need their compute copy
     only, no gradient, master copy or optimizer moments, and no weight-gradient matmul."""
 
+    head_numel: int = 0
+    """Of an outer unit's trainable numel, the output head's weight when it is a parameter of its
+    own (untied from the input embedding): the loss's backward delivers its grad first, so with
+    speculative steps its CPU step starts at the backward's start (runtime.gradients: early
+    pieces). 0: tied, frozen, or none."""
+
     @property
     def trainable_numel(self) -> int:
         return self.numel - self.frozen_numel

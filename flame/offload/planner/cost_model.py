@@ -34,10 +34,22 @@ CONV_CHUNK = 1 << 25
 # elements per chunk of the host grad adds and norms, the size of their float32 scratch buffer
 # (runtime.host_math)
 HOST_MATH_CHUNK = 1 << 25
+# a parameter that is at least this share of its host unit's trained elements is handed on alone
+# as soon as its grad arrives (speculative step, one round a step: its D2H and its CPU AdamW start
+# before the rest of the unit's backward has run; runtime.gradients). A third: the output head of
+# an untied outer unit (about half of it) qualifies; a Llama block's MLP projections (about a
+# quarter each) do not, so blocks stay whole instead of fragmenting into several small jobs.
+EARLY_PIECE_SHARE = 1 / 3
 RUNTIME_OVERHEAD_BYTES = 256 * 2**20  # cuBLAS workspaces, small buffers: refit by calibration
 # bus bandwidth (nccl-tests' busbw) of all-gather / reduce-scatter when the profile has none: a
 # deliberately conservative figure (below NVLink's several hundred GB/s, above PCIe-only hosts)
 DEFAULT_COLLECTIVE_GBPS = 100.0
+
+
+def early_piece(param_numel: int, unit_numel: int) -> bool:
+    """Whether a parameter of `param_numel` elements is handed on alone in a unit of `unit_numel`
+    trained elements (EARLY_PIECE_SHARE)."""
+    return param_numel >= EARLY_PIECE_SHARE * unit_numel
 
 
 def shard_numel(numel: int, world: int) -> int:
@@ -222,15 +234,18 @@ class Prediction:
     the GPU optimizer and the all-reduce of replicated units (they add up to step_s)."""
 
 
-def _flow(jobs, depth, gates=None):
+def _flow(jobs, depth, gates=None, lead=(0.0, 0.0)):
     """Flow shop over jobs [(t_cpu, t_h2d, t_compute, t_d2h[, t_host_add])] in order; returns makespan.
 
     H2D of job j waits for the slot freed by the compute of job j-depth-1 (prefetch depth). The
     optional last stage is the CPU worker adding a job's grads (after their D2H) into its host
     accumulator; the phase ends when the last add has (the next micro-batch's D2H of the same
     unit reuses the staging buffer). `gates[j]`: the job whose D2H must end before job j's
-    compute starts (offloaded activations: the GPU copies are freed only after it), or None."""
-    f_cpu = f_h = f_c = f_d = f_e = 0.0
+    compute starts (offloaded activations: the GPU copies are freed only after it), or None.
+    `lead`: (t_d2h, t_host_add) of work ready at the start, ahead of the jobs' on those two lanes
+    (an early piece's copy and CPU step: runtime.gradients)."""
+    f_cpu = f_h = f_c = 0.0
+    f_d, f_e = lead[0], lead[0] + lead[1]
     comp_end, d_end = [], []
     for j, job in enumerate(jobs):
         a, b, c, d = job[:4]
@@ -467,6 +482,12 @@ def predict(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, layer_modes, l
     copied = 0 if prof.cpu_adam_one_pass else speculative_spare_bytes(dt)
     spec_t = [t + n * copied / memcpy if speculative and m != "gpu" else 0.0 for t, n, m in zip(cpu_t, tn, modes)]
     gate_t = [0.0 if speculative else t for t in cpu_t]
+    # speculative, one round, one rank: the outer's untied head is an early piece (runtime.gradients;
+    # the loss's backward delivers its grad first): its D2H and its share of the outer's CPU step
+    # run from the backward's start, ahead of every block's, not after the outer's backward
+    early = (speculative and rounds == 1 and world == 1 and modes[0] != "gpu" and outer.head_numel < tn[0]
+             and early_piece(outer.head_numel, tn[0]))
+    head_share = outer.head_numel / tn[0] if early else 0.0
     # host accumulation, every micro-batch after the unit's D2H, on the CPU worker: the first
     # copies the staged grads (read c, write g bytes/param), the others add: same dtype read c,
     # read+write g; mixed dtypes convert a chunk into a scratch buffer first (+ write g, read g),
@@ -528,13 +549,16 @@ def predict(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, layer_modes, l
             d = tn[k] * wire[k] if sends else 0
             h2d_bytes += b
             d2h_bytes += d
+            spec = spec_t[k] if r == rounds - 1 else 0.0
+            if k == 0:  # the early head went ahead (`lead` below)
+                d, spec = d * (1 - head_share), spec * (1 - head_share)
             redo = times[k][0] if acts[k] in RECOMPUTED else \
                 selective_recompute_s(units[k], prof, scale) if acts[k] == "selective" else 0.0
             ct = times[k][1] + redo + add_t[k]
             compute += ct
             bw.append((0.0, b / h2d_bwd + (ag_s[k] if refetch else 0.0), ct + rs_s[k], d / d2h_bwd,
-                       acc_s(k, r) + (spec_t[k] if r == rounds - 1 else 0.0)))
-        phases.append(_flow(bw, depth))
+                       acc_s(k, r) + spec))
+        phases.append(_flow(bw, depth, lead=(head_share * tn[0] * wire[0] / d2h_bwd, head_share * spec_t[0])))
     gpu_params = sum(u.trainable_numel for u, m in zip(units, modes) if m == "gpu")
     # the GPU AdamW, then for replicated "gpu" units one all-reduce (reduce-scatter + all-gather)
     # of their grads a step

@@ -133,7 +133,7 @@ class OffloadEngine:
         self.gradients = Gradients(self.units, self.streams, self.device, compute, grad, plan.rounds, group,
                                    self.world, self.comm_device, self.worker)
         if plan.speculative_step:
-            self.gradients.on_complete = self.optimizer.speculate
+            self.gradients.on_sent = self.optimizer.speculate
         for mod in model.modules():  # buffers (rotary tables, ...) live on the compute device
             for k, b in list(mod._buffers.items()):
                 if b is not None:

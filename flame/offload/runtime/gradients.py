@@ -11,6 +11,14 @@ micro-batch have arrived:
   the staged grads into the host accumulator, and takes the norm of the sum after the last one.
 The squared norms are taken where the grads are (GPU as they leave, CPU worker as they are
 summed) and combined once a step, with one host sync.
+
+Early pieces (one micro-batch a step, an unsharded host unit, speculative steps): a parameter
+that is a large part of its unit (cost_model.early_piece: the untied output head of the outer
+unit, whose grad the loss's backward delivers first) is handed on alone as soon as its grad
+arrives: its range goes D2H into the same staging buffer and the optimizer is told (a
+speculative CPU step over that range) while the rest of the unit's backward runs. When the unit
+completes, the rest goes the same way. The piece's grads stay in the GPU buffer until then: the
+unit's norm is taken and the buffer zeroed over the whole unit at once, as without early pieces.
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ from typing import Callable
 
 import torch
 
-from flame.offload.planner.cost_model import CONV_CHUNK
+from flame.offload.planner.cost_model import CONV_CHUNK, early_piece
 from flame.offload.runtime.collectives import reduce_scatter_flat
 from flame.offload.runtime.streams import Streams
 from flame.offload.runtime.units import Slot, Unit, set_event
@@ -53,6 +61,7 @@ class UnitGrads:
     flushed: bool = False  # this micro-batch's grads were handed on
     sent: bool = False  # this step's GPU-accumulated grads went to the host
     host_sq_norm: float | None = None  # squared norm of the host accumulator, once its last round is added
+    sent_pieces: set[int] = field(default_factory=set)  # this micro-batch's pieces handed on (Unit.pieces)
 
 
 class Gradients:
@@ -71,9 +80,10 @@ class Gradients:
         self.slots: list[Slot] = []
         self.use_counter = 0
         self.gpu_sq = torch.zeros((), dtype=torch.float32, device=device)  # squared norms taken on the GPU
-        # called with a host unit once its grads of the step are complete (queued for the host):
-        # the optimizer's speculative step (None: nothing to do then)
-        self.on_complete: Callable[[Unit], None] | None = None
+        # called with a host unit, the indices of its pieces (Unit.pieces) whose grads of the step
+        # are complete and queued for the host, and the event their D2H ends with: the optimizer's
+        # speculative step. None (no speculation): nothing to do then, and no early pieces.
+        self.on_sent: Callable[[Unit, list[int], object], None] | None = None
         # the step's last host accumulation job: the norm waits for it, not for the speculative
         # steps queued among the accumulations (the forward waits for those per unit)
         self.last_accumulation: Future | None = None
@@ -96,6 +106,8 @@ class Gradients:
         g = u.grads = UnitGrads()
         if u.mode == "gpu" or u.frozen:  # a frozen unit: no grads at all
             return
+        if self.direct and not u.sharded and not u.accumulate_on_gpu:
+            self._cut_pieces(u)
         if self.direct or u.accumulate_on_gpu:
             # grads arrive on the host once a step already in grad dtype (converted or
             # accumulated on the GPU), straight into the accumulator the CPU AdamW reads
@@ -104,6 +116,15 @@ class Gradients:
         else:
             g.staging = torch.zeros(u.shard_numel, dtype=self.compute_dtype)
             g.accumulator = torch.zeros(u.shard_numel, dtype=self.grad_dtype)
+
+    @staticmethod
+    def _cut_pieces(u: Unit) -> None:
+        """Its large parameters (cost_model.early_piece) become pieces of their own."""
+        big = {k: (o, o + p.numel()) for k, ((_, p), o) in enumerate(zip(u.params, u.offsets))
+               if len(u.params) > 1 and p.numel() and early_piece(p.numel(), u.numel)}
+        cuts = sorted({0, u.shard_numel} | {x for r in big.values() for x in r})
+        u.pieces = list(zip(cuts, cuts[1:]))
+        u.early = {k: u.pieces.index(r) for k, r in big.items()}
 
     def build_device(self, u: Unit) -> None:
         g, dev = u.grads, self.device
@@ -130,6 +151,7 @@ class Gradients:
                     torch.cuda.current_stream().wait_event(u.grads.buffer_free)
         for u in self.units:
             u.grads.arrived, u.grads.flushed = 0, False
+            u.grads.sent_pieces.clear()
 
     def lend_slot(self, u: Unit) -> None:
         """A streamed unit's backward begins: a zeroed grad slot receives its grads."""
@@ -142,11 +164,20 @@ class Gradients:
         g.buffer.zero_()
         u.bind(g.buffer, grad=True)
 
-    def arrived(self, u: Unit) -> bool:
-        """One parameter's grad arrived; True when it was the unit's last."""
+    def arrived(self, u: Unit, k: int) -> bool:
+        """The grad of `u`'s parameter `k` arrived; True when it was the unit's last. With
+        speculative steps, a parameter that is an early piece (not the last) goes to the host now
+        (one round: autograd writes no more into it this step)."""
         self.clean = False
-        u.grads.arrived += 1
-        return u.grads.arrived == len(u.params)
+        g = u.grads
+        g.arrived += 1
+        if g.arrived == len(u.params):
+            return True
+        if k in u.early and self.on_sent is not None:
+            if self.round > 0:
+                raise RuntimeError(TOO_MANY_ROUNDS.format(self.rounds))
+            self._send(u, g.buffer, [u.early[k]], then_zero=None)  # zeroed with the rest
+        return False
 
     def end_round(self) -> None:
         self.round += 1
@@ -167,32 +198,21 @@ class Gradients:
         if u.accumulate_on_gpu:
             self._accumulate_on_gpu(u, grad)
             return
+        zero = g.buffer if u.mode == "host_opt" and not u.sharded else None
         if self.direct:
             # the norm of the full grad (of the own shard), computed on the GPU while the copy runs
             self.gpu_sq += torch.linalg.vector_norm(grad, dtype=torch.float32).square()
-        g.staging_free.wait()
-        g.staging_free.clear()
-
-        def copy_out():
-            if self.conversion:
-                # convert on the GPU in chunks, copy each chunk out; the stream orders buffer reuse
-                n = self.conversion[0].numel()
-                for k, a in enumerate(range(0, u.shard_numel, n)):
-                    b = min(u.shard_numel, a + n)
-                    buf = self.conversion[k % 2][: b - a]
-                    buf.copy_(grad[a:b])
-                    self.s.copy(g.staging, a, b, buf, to_host=True)
-            else:
-                self.s.copy(g.staging, 0, u.shard_numel, grad, to_host=True)
-
-        self._d2h(u, copy_out, g.buffer if u.mode == "host_opt" and not u.sharded else None)
+            # the pieces not handed on yet: all but the early ones; the buffer zeroed after their copy
+            self._send(u, grad, [i for i in range(len(u.pieces)) if i not in g.sent_pieces], zero)
+        else:
+            g.staging_free.wait()
+            g.staging_free.clear()
+            self._d2h(u, lambda: self._copy_out(u, grad, 0, u.shard_numel), zero)
         if u.sharded:
             g.shard_free = g.d2h_done
         elif g.slot is not None:
             g.slot.free = g.d2h_done
         if self.direct:
-            g.staging_free.set()  # the CPU AdamW waits for d2h_done itself
-            self._complete(u)
             return
         first, last = self.round == 0, self.round == self.rounds - 1
         ev = g.d2h_done
@@ -211,11 +231,36 @@ class Gradients:
 
         self.last_accumulation = self.worker.submit(accumulate)
         if last:
-            self._complete(u)  # queued after the add: the worker runs jobs in order
+            self._sent(u, [0])  # queued after the add: the worker runs jobs in order
 
-    def _complete(self, u: Unit) -> None:
-        if self.on_complete is not None:
-            self.on_complete(u)
+    def _send(self, u: Unit, grad: torch.Tensor, pieces: list[int], then_zero: torch.Tensor | None) -> None:
+        """One round a step: `pieces` of `u`'s grads (`grad`: its buffer, or this rank's shard)
+        to the host, then `then_zero` zeroed; the optimizer is told."""
+        u.grads.sent_pieces.update(pieces)
+
+        def copy_out():
+            for i in pieces:
+                self._copy_out(u, grad, *u.pieces[i])
+
+        self._d2h(u, copy_out, then_zero)
+        self._sent(u, pieces)
+
+    def _copy_out(self, u: Unit, grad: torch.Tensor, lo: int, hi: int) -> None:
+        """grad[lo:hi] into the same range of `u`'s pinned staging buffer (on the D2H stream)."""
+        if not self.conversion:
+            self.s.copy(u.grads.staging, lo, hi, grad[lo:hi], to_host=True)
+            return
+        # convert on the GPU in chunks, copy each chunk out; the stream orders buffer reuse
+        n = self.conversion[0].numel()
+        for k, a in enumerate(range(lo, hi, n)):
+            b = min(hi, a + n)
+            buf = self.conversion[k % 2][: b - a]
+            buf.copy_(grad[a:b])
+            self.s.copy(u.grads.staging, a, b, buf, to_host=True)
+
+    def _sent(self, u: Unit, pieces: list[int]) -> None:
+        if self.on_sent is not None:
+            self.on_sent(u, pieces, u.grads.d2h_done)
 
     def _reduce_scatter(self, u: Unit) -> torch.Tensor:
         """Sum the unit's full grad over the ranks into this rank's shard on the compute stream;
@@ -260,7 +305,7 @@ class Gradients:
         # accumulated in its grad buffer: empty it for the next step once copied
         self._d2h(u, lambda: self.s.copy(g.staging, 0, u.shard_numel, g.device_accumulator, to_host=True),
                   g.buffer if g.device_accumulator is g.buffer else None)
-        self._complete(u)
+        self._sent(u, [0])
 
     def _d2h(self, u: Unit, copy_out, then_zero: torch.Tensor | None) -> None:
         """Run `copy_out` (u's grads into its pinned staging buffer) on the D2H stream after the

@@ -103,8 +103,9 @@ class ModelHooks:
                 inner.forward = lambda *a, _f=inner.forward, _c=ckpt, **k: _c(_f, *a, **_no_cache(k))
                 self._wrapped.append(inner)
         for u in self.units:
-            for _, p in ([] if u.frozen else u.params):
-                h.append(p.register_post_accumulate_grad_hook(self._weak_unit_call(ModelHooks._grad_arrived, u)))
+            for k, (_, p) in enumerate([] if u.frozen else u.params):
+                arrived = self._weak_unit_call(partial(ModelHooks._grad_arrived, k=k), u)
+                h.append(p.register_post_accumulate_grad_hook(arrived))
         self._handles = h
 
     def remove(self) -> None:
@@ -182,8 +183,8 @@ class ModelHooks:
 
         return hook
 
-    def _grad_arrived(self, u: Unit) -> None:
-        if self.gradients.arrived(u):
+    def _grad_arrived(self, u: Unit, k: int) -> None:
+        if self.gradients.arrived(u, k):
             self._grads_ready(u)
 
     def _bwd_end(self) -> None:

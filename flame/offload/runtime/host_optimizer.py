@@ -16,6 +16,13 @@ the step turns out unclipped at that lr, and otherwise steps again from the unto
 the clip coefficient; a skipped step (`discard_step`) only restores a separate compute copy. The
 step after a clipped or skipped one does not speculate. Either way the result is the usual
 step's, bit for bit: the same kernel on the same inputs.
+With one micro-batch a step, a unit's early pieces (gradients.py: a large parameter such as the
+outer unit's untied output head, whose grad arrives at the start of the backward) are stepped
+speculatively on their own as soon as they reach the host, the rest of the unit when it
+completes: each job runs the kernel over its pieces' ranges only, into the same spare buffers,
+at the one lr chosen by the unit's first piece. Commit, redo and undo stay per unit (a redo steps
+the whole unit from the untouched state). The kernel runs over the same ranges (the unit's
+`decay_segments`, cut at its pieces) with or without speculation, so the results stay the same.
 
 Clipping scales the grads inside the kernel; weight decay is decoupled as in AdamW, with the
 no_decay parameters (norms, biases, embeddings) excluded as in the plain optimizer.
@@ -62,7 +69,9 @@ class UnitOptimizer:
     # superseded by a later one cannot announce the later one's result
     step_done: threading.Event = field(default_factory=set_event)
     speculated_lr: float | None = None  # the lr of this step's speculative update; None: none ran
-    speculated_s: float = 0.0  # seconds the last speculative update took (booked if it is discarded)
+    # seconds this step's speculative update took so far, all its pieces (booked if it is discarded;
+    # the CPU worker alone touches it)
+    speculated_s: float = 0.0
     # speculative steps write here: master, exp_avg, exp_avg_sq (swapped with the state when kept)
     spare: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
@@ -98,15 +107,12 @@ class HostOptimizer:
         # the coordinates of the unit's (shard of the) master
         u.no_decay_ranges = [(a - u.shard_start, b - a) for (fqn, p), o in zip(u.params, u.offsets)
                              if fqn in self.no_decay and (ab := u.owned(o, p.numel())) for a, b in [ab]]
-        # (start, end, decayed): the master cut in order, the no_decay ranges apart (the kernel runs per range)
-        u.decay_segments, at = [], 0
-        for off, n in sorted(u.no_decay_ranges):
-            if off > at:
-                u.decay_segments.append((at, off, True))
-            u.decay_segments.append((off, off + n, False))
-            at = off + n
-        if at < master.numel():
-            u.decay_segments.append((at, master.numel(), True))
+        # (start, end, decayed): the master cut in order, the no_decay ranges apart and at the
+        # unit's pieces (the kernel runs per range; a piece is stepped alone when speculative)
+        cuts = sorted({0, master.numel()} | {a for a, _ in u.pieces}
+                      | {x for off, n in u.no_decay_ranges for x in (off, off + n)})
+        u.decay_segments = [(a, b, not any(off <= a < off + n for off, n in u.no_decay_ranges))
+                            for a, b in zip(cuts, cuts[1:])]
         param = nn.Parameter(master, requires_grad=False)
         u.optimizer = UnitOptimizer(param, torch.optim.AdamW([param], lr=self.lr, betas=self.betas, eps=self.eps,
                                                              weight_decay=self.weight_decay, fused=True))
@@ -127,13 +133,16 @@ class HostOptimizer:
                 u.optimizer.step_done.wait()
         self.worker.check()
 
-    def _decay(self, u: Unit, lr: float, master: torch.Tensor) -> None:
+    def _decay(self, u: Unit, lr: float, master: torch.Tensor, lo: int = 0) -> None:
         """torch's fused AdamW decays the whole flat `master` (p *= 1 - lr * wd inside its one
         pass); the no_decay parameters (norms, a small part) are divided by that factor first. A
-        separate decay pass over the decayed parameters cost a full read + write of the master a step."""
+        separate decay pass over the decayed parameters cost a full read + write of the master a step.
+        `master`: the unit's master from element `lo` on."""
         if self.weight_decay:
             for off, n in u.no_decay_ranges:
-                master[off:off + n].div_(1.0 - lr * self.weight_decay)
+                a, b = max(off, lo) - lo, min(off + n, lo + master.numel()) - lo
+                if a < b:
+                    master[a:b].div_(1.0 - lr * self.weight_decay)
 
     def step_on_gpu(self, u: Unit, coef: float) -> None:
         """A gpu unit's step now, on the compute stream, from its accumulated grads."""
@@ -151,19 +160,22 @@ class HostOptimizer:
         self._submit(u, self._cpu_step, coef, self.lr)
 
     def _submit(self, u: Unit, job, *args) -> None:
+        # jobs of one unit run in order: the last one's event means all of them are done
         done = threading.Event()
         u.optimizer.step_done = done
         self.worker.submit(job, u, *args, u.weights.upload_read_done, done)
 
     # ------------------------------------------------------------------ speculative steps
-    def speculate(self, u: Unit) -> None:
-        """`u`'s grads of the step are complete (on the host once their D2H ends): queue its
-        unclipped step at the expected lr now (the engine calls this only with speculation on)."""
-        if self.last_step_redone or u.optimizer is None or u.mode == "gpu":
+    def speculate(self, u: Unit, pieces: list[int], grads_ready) -> None:
+        """`u`'s grads of the step are complete in `pieces` (Unit.pieces; on the host once
+        `grads_ready`, their D2H, ends): queue their unclipped step at the expected lr now (the
+        engine calls this only with speculation on); every piece of the unit at the first one's lr."""
+        o = u.optimizer
+        if self.last_step_redone or o is None or u.mode == "gpu":
             return
-        lr = self.next_lr() if self.next_lr is not None else self.lr
-        u.optimizer.speculated_lr = lr
-        self._submit(u, self._speculative_step, lr)
+        if o.speculated_lr is None:
+            o.speculated_lr = self.next_lr() if self.next_lr is not None else self.lr
+        self._submit(u, self._speculative_step, o.speculated_lr, pieces, grads_ready)
 
     def begin_step(self, coef: float) -> None:
         """At step(), before `finish` of every unit: remember whether this step clipped."""
@@ -191,12 +203,12 @@ class HostOptimizer:
                 self.speculations["undone"] += 1
                 self._submit(u, self._undo)
 
-    def _speculative_step(self, u: Unit, lr: float, upload_read_done, done) -> None:
+    def _speculative_step(self, u: Unit, lr: float, pieces: list[int], grads_ready, upload_read_done, done) -> None:
         try:
-            self._wait_inputs(u, upload_read_done)
+            self._wait_inputs(u, upload_read_done, grads_ready)
             t = time.perf_counter()
-            self._step_body(u, 1.0, lr, into_spare=True)
-            u.optimizer.speculated_s = time.perf_counter() - t
+            self._step_body(u, 1.0, lr, into_spare=True, pieces=pieces)
+            u.optimizer.speculated_s += time.perf_counter() - t
         finally:
             done.set()
 
@@ -214,6 +226,7 @@ class HostOptimizer:
             o.master.data = new[0]
             st["exp_avg"], st["exp_avg_sq"] = new[1], new[2]
             st["step"].add_(1)
+            o.speculated_s = 0.0
             self.worker.account("speculative_commit", u.index, t)
         finally:
             done.set()
@@ -221,14 +234,16 @@ class HostOptimizer:
     def _redo_step(self, u: Unit, coef: float, lr: float, upload_read_done, done) -> None:
         """The speculation is not the step's (clipped, or another lr): step from the untouched state."""
         self.worker.seconds["speculative_discarded"] += u.optimizer.speculated_s
+        u.optimizer.speculated_s = 0.0
         self._cpu_step(u, coef, lr, upload_read_done, done)
 
     def _undo(self, u: Unit, upload_read_done, done) -> None:
         """A skipped step: the state is untouched; a separate compute copy gets the master's values back."""
         try:
             t = time.perf_counter()
-            self.worker.seconds["speculative_discarded"] += u.optimizer.speculated_s
             o = u.optimizer
+            self.worker.seconds["speculative_discarded"] += o.speculated_s
+            o.speculated_s = 0.0
             if not same_tensor(u.weights.host, o.master):
                 u.weights.host.copy_(o.master.data)
             self.worker.account("speculative_undo", u.index, t)
@@ -243,13 +258,15 @@ class HostOptimizer:
         finally:
             done.set()
 
-    def _wait_inputs(self, u: Unit, upload_read_done) -> None:
+    def _wait_inputs(self, u: Unit, upload_read_done, grads_ready=None) -> None:
+        """`grads_ready`: the D2H of the grads this job reads (None: the unit's last one)."""
         if self.cpu_threads:
             torch.set_num_threads(self.cpu_threads)
         if upload_read_done is not None:
             upload_read_done.synchronize()  # the last H2D read of the host copy has finished
-        if u.grads.d2h_done is not None:
-            u.grads.d2h_done.synchronize()  # the grads are on the host
+        ready = grads_ready if grads_ready is not None else u.grads.d2h_done
+        if ready is not None:
+            ready.synchronize()  # the grads are on the host
 
     @staticmethod
     def state(o: UnitOptimizer) -> dict:
@@ -262,11 +279,13 @@ class HostOptimizer:
                                             "exp_avg_sq": torch.zeros_like(o.master.data)}
         return st
 
-    def _step_body(self, u: Unit, coef: float, lr: float, into_spare: bool = False) -> None:
+    def _step_body(self, u: Unit, coef: float, lr: float, into_spare: bool = False,
+                   pieces: list[int] | None = None) -> None:
         """One AdamW step of a host unit with grads scaled by `coef`: in place, or (`into_spare`)
-        into the unit's spare buffers with the state left as it was. Writes the compute copy
-        when it is not the master itself."""
+        into the unit's spare buffers with the state left as it was; over the unit's `pieces`
+        only (None: all). Writes the compute copy when it is not the master itself."""
         o = u.optimizer
+        ranges = u.pieces if pieces is None else [u.pieces[i] for i in pieces]
         st = self.state(o)
         src = (o.master.data, st["exp_avg"], st["exp_avg_sq"])
         dst = o.spare if into_spare else src
@@ -278,6 +297,8 @@ class HostOptimizer:
             grad = u.grads.accumulator
             copy = host if host is not None and host.dtype == torch.bfloat16 else None
             for a, b, decayed in u.decay_segments:
+                if not any(lo <= a and b <= hi for lo, hi in ranges):
+                    continue
                 master, exp_avg, exp_avg_sq = (t[a:b] for t in src)
                 cpu_adamw.adamw(master, grad[a:b], exp_avg, exp_avg_sq, step=step, lr=lr, beta1=self.betas[0],
                                 beta2=self.betas[1], eps=self.eps, weight_decay=self.weight_decay if decayed else 0.0,
@@ -285,9 +306,11 @@ class HostOptimizer:
                                 compute_copy=None if copy is None else copy[a:b], threads=self.cpu_threads)
             host = None if copy is not None else host
         else:
-            self._torch_fused_step(u, src, dst, coef, lr, step)
+            for a, b in ranges:
+                self._torch_fused_step(u, src, dst, coef, lr, step, a, b)
         if host is not None:
-            host.copy_(dst[0])
+            for a, b in ranges:
+                host[a:b].copy_(dst[0][a:b])
         if not into_spare:
             st["step"].fill_(step)
         t1 = time.perf_counter()
@@ -295,30 +318,30 @@ class HostOptimizer:
         if self.worker.trace is not None:
             self.worker.trace.append(("cpu_step", u.index, t0, t1))
 
-    def _torch_fused_step(self, u: Unit, src, dst, coef: float, lr: float, step: int) -> None:
+    def _torch_fused_step(self, u: Unit, src, dst, coef: float, lr: float, step: int, lo: int, hi: int) -> None:
         """Without the C kernel (or for float16 master or grads, which it does not take): torch's
         fused CPU AdamW (in place, so `dst` first gets a copy of `src`) on grads converted to the
-        master dtype."""
+        master dtype, over [lo, hi) of the flat buffers."""
+        state, out = [t[lo:hi] for t in src], [t[lo:hi] for t in dst]
         if dst is not src:
-            torch._foreach_copy_(list(dst), list(src))
-        master = dst[0]
-        self._decay(u, lr, master)
-        torch._fused_adamw_([master], [self._master_grad(u)], [dst[1]], [dst[2]], [],
+            torch._foreach_copy_(out, state)
+        master = out[0]
+        self._decay(u, lr, master, lo)
+        torch._fused_adamw_([master], [self._master_grad(u, lo, hi)], [out[1]], [out[2]], [],
                             [torch.full((), float(step))], lr=lr, beta1=self.betas[0], beta2=self.betas[1],
                             weight_decay=self.weight_decay, eps=self.eps, amsgrad=False, maximize=False,
                             grad_scale=torch.full((), 1.0 / coef) if coef != 1.0 else None, found_inf=None)
 
-    def _master_grad(self, u: Unit) -> torch.Tensor:
-        """The unit's grads in the master dtype for torch's fused AdamW: the accumulator itself, or
-        a conversion into one reused buffer (a fresh tensor per unit and step would page-fault its
-        whole size in again every step)."""
-        acc, dtype = u.grads.accumulator, u.optimizer.master.dtype
+    def _master_grad(self, u: Unit, lo: int, hi: int) -> torch.Tensor:
+        """The unit's grads [lo, hi) in the master dtype for torch's fused AdamW: the accumulator's
+        own, or a conversion into one reused buffer (a fresh tensor per unit and step would
+        page-fault its whole size in again every step)."""
+        acc, dtype = u.grads.accumulator[lo:hi], u.optimizer.master.dtype
         if acc.dtype == dtype:
             return acc
-        n = acc.numel()
-        if self.grad_scratch is None or self.grad_scratch.dtype != dtype or self.grad_scratch.numel() < n:
+        if self.grad_scratch is None or self.grad_scratch.dtype != dtype or self.grad_scratch.numel() < acc.numel():
             largest = max(x.grads.accumulator.numel() for x in self.units if x.mode != "gpu" and not x.frozen)
             self.grad_scratch = torch.empty(largest, dtype=dtype)
-        out = self.grad_scratch[:n].view(acc.shape)
+        out = self.grad_scratch[:acc.numel()]
         out.copy_(acc)
         return out

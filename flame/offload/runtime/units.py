@@ -69,6 +69,11 @@ class Unit:
     no_decay_ranges: list[tuple[int, int]] = field(default_factory=list)
     # the same coordinates cut into ranges in order: (start, end, decayed), covering the master
     decay_segments: list[tuple[int, int, bool]] = field(default_factory=list)
+    # [start, end) ranges of the (shard of the) flat buffers, in order, covering them: cut at the
+    # parameters whose grads are handed on alone as soon as they arrive (gradients.py: early
+    # pieces); one range otherwise. The CPU AdamW runs piece by piece either way.
+    pieces: list[tuple[int, int]] = field(init=False)
+    early: dict[int, int] = field(default_factory=dict)  # parameter index -> its piece, for those parameters
     activations: HostActivations | None = None  # offload, recompute_host: the block's host arena
     weights: UnitWeights | None = None
     grads: UnitGrads | None = None
@@ -84,6 +89,7 @@ class Unit:
         self.padded_numel = -(-off // world) * world if self.sharded else off
         self.shard_numel = self.padded_numel // world if self.sharded else off
         self.shard_start = rank * self.shard_numel if self.sharded else 0
+        self.pieces = [(0, self.shard_numel)]
 
     def owned(self, o: int, n: int) -> tuple[int, int] | None:
         """[a, b): the part of flat range [o, o + n) this rank owns, in flat coordinates."""
