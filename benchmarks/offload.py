@@ -296,7 +296,9 @@ def run_bench_row(row: BenchRow, runs: str, cap_s: float, gpu: str | None = None
     if rc != 0:
         lines = [line for line in ANSI.sub("", console).splitlines() if line.strip()]
         errs = [line for line in lines if "flame: error" in line or "Error" in line or "error:" in line]
-        out["error_tail"] = "\n".join((errs[-6:] if errs else []) + lines[-20:])[-3000:]
+        # an out-of-memory crash under offload: the engine's buffers against the plan's (one line)
+        memory = [line for line in lines if "offload: GPU memory" in line][-1:]
+        out["error_tail"] = "\n".join(memory + ["\n".join(errs[-6:] + lines[-20:])[-3000:]])
     return out
 
 

@@ -589,9 +589,12 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as e:  # torch's CheckpointException is a BaseException
         full = None if isinstance(e, (SystemExit, KeyboardInterrupt)) else outcome.find_errno(e)
         if isinstance(e, torch.OutOfMemoryError) and trainer is not None:
-            engine = getattr(trainer.optimizers, "engine", None)
+            engine = getattr(getattr(trainer, "optimizers", None), "engine", None)
             if engine is not None:  # a plan that did not fit its budget: what was planned, what was there
-                logger.error(engine.memory_explanation())
+                try:
+                    logger.error(engine.memory_explanation())
+                except Exception as why:  # the crash report below must not be lost to this line
+                    logger.error(f"offload: GPU memory report failed: {why!r}")
         if full is None:
             outcome.report_crash(e)
             raise
