@@ -208,3 +208,23 @@ def test_launcher_picks_the_line_that_explains_the_run():
     code, text = explain(1, [], job, "MASTER_ADDR=10.0.0.1 MASTER_PORT=29500")
     assert code == 2 and text.startswith("flame: error: rendezvous at MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 failed")
     assert explain(0, [], Job([], sys.executable, {}), "") == (0, "")
+
+
+def test_out_of_memory_under_offload_logs_the_engine_memory(tmp_path, run_main, monkeypatch, capfd):
+    """A run under offload that runs out of device memory logs the engine's buffers next to the
+    plan's before the crash is reported (the exception still propagates: an internal error)."""
+    import torch
+
+    from flame import train
+
+    def oom(self, *a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(train.Trainer, "train_step", oom)
+    with pytest.raises(torch.OutOfMemoryError):
+        run_main(str(tmp_path / "run"), "--offload.enable", "on", "--offload.profile",
+                 os.path.join(ROOT, "flame/offload/profiles/h100_80gb_measured.json"),
+                 "--offload.overrides", "weights[*]=host")
+    out, err = capfd.readouterr()
+    line = [l for l in (out + err).splitlines() if "offload: GPU memory" in l]
+    assert len(line) == 1 and "engine buffers: " in line[0] and "(planned " in line[0], out + err
