@@ -1,6 +1,7 @@
 """Planner properties on CPU: budgets, monotonicity, infeasibility, plan files, cost arithmetic."""
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -270,6 +271,18 @@ def test_overrides_and_spread(costs):
         solve(costs, prof(), Dtypes(), 40 * GiB, 64 * GiB, 2, 1, 15, overrides=["weights[9]=host"])
     s = spread(8, {"a": 2, "b": 6})
     assert s.count("a") == 2 and s.index("a") > 0
+
+
+@pytest.mark.parametrize("entry, why", [
+    ("weights[a-b]=host", "block index"), ("weights[1-]=host", "block index"), ("weights[3-1]=host", "empty block range"),
+    ("weights[*=host", "unknown key or value"), ("prefetch=abc", "prefetch=N"), ("prefetch=-1", "prefetch=N"),
+    ("outer=foo", "outer=gpu or outer=host_opt"),
+    ("weights[*]=host;activations[*]=keep", "separate entries with commas")])
+def test_a_malformed_override_is_a_config_error_naming_it(costs, entry, why):
+    """Index ranges, prefetch depths and outer modes that the planner cannot use: one ConfigError
+    naming the entry (a traceback, or a plan with an outer mode that does not exist, before)."""
+    with pytest.raises(ConfigError, match=re.escape(repr(entry)) + ".*" + re.escape(why)):
+        solve(costs, prof(), Dtypes(), 40 * GiB, 64 * GiB, 2, 1, 15, overrides=[entry])
 
 
 def test_config_validation():
