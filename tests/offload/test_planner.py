@@ -550,6 +550,22 @@ def test_fla_costs_measured_on_meta(family):
     assert costs[2].layers[0].act_keep_bytes == pytest.approx(2 * costs[1].layers[0].act_keep_bytes, rel=0.05)
 
 
+def test_mamba2_costs_need_float32_and_the_error_says_so():
+    """Mamba2 cannot be measured on meta in bf16 (FLA's torch path mixes dtypes): the one-line
+    error names the option that measures it, and that option does."""
+    import os
+
+    from flame.models.build import load_model_config
+    from flame.offload.measure.tracing import model_costs
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    cfg = load_model_config(os.path.join(root, "configs/debug/mamba2.json"))
+    with pytest.raises(ConfigError, match="'mamba2' cannot be measured.*try --offload.compute_dtype float32"):
+        model_costs(cfg, torch.bfloat16, [1], 64)
+    costs = model_costs(cfg, torch.float32, [1], 64)
+    assert len(costs[1].layers) == 2 and all(u.act_keep_bytes > 0 for u in costs[1].layers)
+
+
 def test_grad_conversion_to_master_dtype_is_costed(costs):
     """bf16 grads, fp32 master: each host unit's grads are converted (read 2 + write 4 bytes/param
     at twice the host memcpy rate) before the CPU AdamW, into one buffer as large as the largest unit."""
