@@ -51,7 +51,9 @@ def default_job(root: str = ROOT) -> list[str]:
         "--model.config", os.path.join(root, "configs/debug/transformer_tiny.json"),
         "--model.tokenizer_path", os.path.join(root, "flame/assets/tokenizer"),
         "--training.dataset", os.path.join(root, "flame/assets/sample_corpus"),
-        "--training.batch_size", "8", "--training.seq_len", "256", "--training.steps", "120",
+        # context_len as seq_len: varlen (`--training.varlen`) needs context_len <= seq_len
+        "--training.batch_size", "8", "--training.seq_len", "256", "--training.context_len", "256",
+        "--training.steps", "120",
         "--training.num_workers", "0", "--training.mixed_precision_param", "float32",
         "--optimizer.lr", "3e-3", "--lr_scheduler.warmup_steps", "20", "--lr_scheduler.decay_type", "cosine",
         "--checkpoint.interval", "50", "--checkpoint.keep_latest_k", "1", "--metrics.log_freq", "10",

@@ -1,6 +1,7 @@
 """Planner properties on CPU: budgets, monotonicity, infeasibility, plan files, cost arithmetic."""
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -272,6 +273,18 @@ def test_overrides_and_spread(costs):
     assert s.count("a") == 2 and s.index("a") > 0
 
 
+@pytest.mark.parametrize("entry, why", [
+    ("weights[a-b]=host", "block index"), ("weights[1-]=host", "block index"), ("weights[3-1]=host", "empty block range"),
+    ("weights[*=host", "unknown key or value"), ("prefetch=abc", "prefetch=N"), ("prefetch=-1", "prefetch=N"),
+    ("outer=foo", "outer=gpu or outer=host_opt"),
+    ("weights[*]=host;activations[*]=keep", "separate entries with commas")])
+def test_a_malformed_override_is_a_config_error_naming_it(costs, entry, why):
+    """Index ranges, prefetch depths and outer modes that the planner cannot use: one ConfigError
+    naming the entry (a traceback, or a plan with an outer mode that does not exist, before)."""
+    with pytest.raises(ConfigError, match=re.escape(repr(entry)) + ".*" + re.escape(why)):
+        solve(costs, prof(), Dtypes(), 40 * GiB, 64 * GiB, 2, 1, 15, overrides=[entry])
+
+
 def test_config_validation():
     with pytest.raises(ConfigError, match="offload.enable='maybe'"):
         Offload(enable="maybe").validate()
@@ -535,6 +548,22 @@ def test_fla_costs_measured_on_meta(family):
         assert all(u.act_keep_bytes > 0 and u.fwd_gemm_flops > 0 for u in c.layers)
     # activations scale with the micro-batch
     assert costs[2].layers[0].act_keep_bytes == pytest.approx(2 * costs[1].layers[0].act_keep_bytes, rel=0.05)
+
+
+def test_mamba2_costs_need_float32_and_the_error_says_so():
+    """Mamba2 cannot be measured on meta in bf16 (FLA's torch path mixes dtypes): the one-line
+    error names the option that measures it, and that option does."""
+    import os
+
+    from flame.models.build import load_model_config
+    from flame.offload.measure.tracing import model_costs
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    cfg = load_model_config(os.path.join(root, "configs/debug/mamba2.json"))
+    with pytest.raises(ConfigError, match="'mamba2' cannot be measured.*try --offload.compute_dtype float32"):
+        model_costs(cfg, torch.bfloat16, [1], 64)
+    costs = model_costs(cfg, torch.float32, [1], 64)
+    assert len(costs[1].layers) == 2 and all(u.act_keep_bytes > 0 for u in costs[1].layers)
 
 
 def test_grad_conversion_to_master_dtype_is_costed(costs):

@@ -159,6 +159,15 @@ def test_help_shows_the_command_line_values_over_the_job_file():
     assert "--training.steps INT  [7]" in proc.stdout and f"--model.config STR  [{model}]" in proc.stdout
 
 
+def test_the_default_job_takes_varlen_as_it_is():
+    """`bash train.sh --training.varlen`: the default job's context_len fits its seq_len (torchtitan's
+    default context_len, 2048, is longer than the tiny job's sequences: a one-line error before)."""
+    from flame.launch import job_args
+
+    cfg = parse(*job_args(["--training.varlen"]))
+    assert cfg.training.varlen and 1 <= cfg.training.context_len <= cfg.training.seq_len
+
+
 def test_help_into_a_closed_pipe_exits_0(monkeypatch):
     """`python -m flame.train --help | head`: the reader closing the pipe is no traceback."""
     from flame.offload import calculator as plan

@@ -249,8 +249,10 @@ def model_costs(config, dtype, micro_batches, seq_len: int, loss_chunk_tokens: i
             return {mb: measure_costs(meta, mb, seq_len, loss_chunk_tokens=loss_chunk_tokens) for mb in micro_batches}
         except (RuntimeError, NotImplementedError, ValueError) as e:
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            # Mamba/Mamba2's torch paths mix float32 and the weights' dtype: they measure in float32
+            hint = "; try --offload.compute_dtype float32" if dtype != torch.float32 else ""
             raise ConfigError(f"offload: the costs of model type {getattr(config, 'model_type', '?')!r} cannot be "
-                              f"measured on the meta device in {dtype} ({first})") from None
+                              f"measured on the meta device in {dtype} ({first}){hint}") from None
 
 
 def meta_model(config, dtype=torch.bfloat16) -> nn.Module:

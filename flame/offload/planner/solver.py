@@ -45,39 +45,61 @@ def spread(n: int, counts: dict[str, int]) -> list[str]:
     return [last if o is None else o for o in out]
 
 
+_OVERRIDE_VALUES = {"weights": ("mode", {"gpu": "gpu", "host": "stream", "resident": "host_opt"}),
+                    "optimizer": ("mode", {"gpu": "gpu", "cpu": "host_opt"}),
+                    "activations": ("act", {"keep": "keep", "selective": "selective", "recompute": "recompute",
+                                            "offload": "offload", "recompute_host": "recompute_host"})}
+_OUTER_MODES = ("gpu", "host_opt")
+
+
+def _override_error(item: str, why: str) -> ConfigError:
+    # a user who separated entries with another character than the comma sees it named
+    hint = "; separate entries with commas" if any(c in item for c in ";| ") else ""
+    return ConfigError(f"offload.overrides entry {item!r}: {why}{hint}")
+
+
+def _block_indices(item: str, rng: str, n: int) -> range:
+    """The blocks `rng` names (`*`, `i` or `i-j`, inclusive), each within 0..n-1."""
+    if rng == "*":
+        return range(n)
+    a, _, b = rng.partition("-")
+    if not (a.strip().isdigit() and (b.strip().isdigit() if "-" in rng else True)):
+        raise _override_error(item, "expected a block index `i`, a range `i-j` or `*` in the brackets")
+    lo, hi = int(a), int(b) if "-" in rng else int(a)
+    if lo > hi:
+        raise _override_error(item, f"empty block range {lo}-{hi}")
+    if hi >= n:
+        raise _override_error(item, f"block index out of 0..{n - 1}")
+    return range(lo, hi + 1)
+
+
 def _parse_overrides(overrides: list[str], n: int) -> dict:
-    """`weights[0-3]=gpu`, `optimizer[*]=cpu`, `activations[2]=recompute`, `prefetch=2`."""
+    """`weights[0-3]=gpu`, `optimizer[*]=cpu`, `activations[2]=recompute`, `prefetch=2`, `outer=gpu`."""
     fixed = {"mode": {}, "act": {}}
     glob = {}
     for item in overrides:
         if "=" not in item:
-            raise ConfigError(f"offload.overrides entry {item!r}: expected key=value")
+            raise _override_error(item, "expected key=value")
         k, v = item.split("=", 1)
         k, v = k.strip(), v.strip()
         if "[" in k:
-            name, rng = k[:-1].split("[", 1)
-            if rng == "*":
-                idx = range(n)
-            elif "-" in rng:
-                a, b = rng.split("-")
-                idx = range(int(a), int(b) + 1)
-            else:
-                idx = [int(rng)]
-            if any(i < 0 or i >= n for i in idx):
-                raise ConfigError(f"offload.overrides entry {item!r}: block index out of 0..{n - 1}")
-            table = {"weights": ("mode", {"gpu": "gpu", "host": "stream", "resident": "host_opt"}),
-                     "optimizer": ("mode", {"gpu": "gpu", "cpu": "host_opt"}),
-                     "activations": ("act", {"keep": "keep", "selective": "selective", "recompute": "recompute",
-                                             "offload": "offload", "recompute_host": "recompute_host"})}
-            if name not in table or v not in table[name][1]:
-                raise ConfigError(f"offload.overrides entry {item!r}: unknown key or value")
-            kind, vals = table[name]
+            name, rng = k.split("[", 1)
+            if not rng.endswith("]") or name not in _OVERRIDE_VALUES or v not in _OVERRIDE_VALUES[name][1]:
+                raise _override_error(item, "unknown key or value")
+            idx = _block_indices(item, rng[:-1], n)
+            kind, vals = _OVERRIDE_VALUES[name]
             for i in idx:
                 fixed[kind][i] = vals[v]
-        elif k in ("prefetch", "outer"):
+        elif k == "prefetch":
+            if not v.isdigit():
+                raise _override_error(item, "expected prefetch=N, N an integer >= 0")
+            glob[k] = int(v)
+        elif k == "outer":
+            if v not in _OUTER_MODES:
+                raise _override_error(item, f"expected outer={' or outer='.join(_OUTER_MODES)}")
             glob[k] = v
         else:
-            raise ConfigError(f"offload.overrides entry {item!r}: unknown key {k!r}")
+            raise _override_error(item, f"unknown key {k!r}")
     return {"fixed": fixed, "glob": glob}
 
 
@@ -104,7 +126,7 @@ def solve(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, gpu_budget: int,
     n = len(costs.layers)
     ov = _parse_overrides(overrides or [], n)
     if "prefetch" in ov["glob"]:
-        depths = (int(ov["glob"]["prefetch"]),)
+        depths = (ov["glob"]["prefetch"],)
     outers = ("gpu", "host_opt") if allow_offload else ("gpu",)
     if "outer" in ov["glob"]:
         outers = (ov["glob"]["outer"],)
