@@ -121,6 +121,7 @@ def test_remote_code_and_fla_exports_load_without_flame(tmp_path):
 
 
 GENERATE_ON_CPU = textwrap.dedent('''
+    import json
     import sys
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -133,7 +134,7 @@ GENERATE_ON_CPU = textwrap.dedent('''
     built = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     loaded, tok, _ = load(export)
     for model in (built, loaded):
-        print(repr(generate(model, tok, "the", max_new_tokens=3, temperature=0, device="cpu")))
+        print("generated:", json.dumps(generate(model, tok, "the", max_new_tokens=3, temperature=0, device="cpu")))
 ''')
 
 
@@ -151,8 +152,9 @@ def test_fla_model_generates_on_cpu_through_flame_generate(tmp_path):
     proc = subprocess.run([sys.executable, '-c', GENERATE_ON_CPU, fla_dir, os.path.join(DEBUG_DIR, 'mamba.json'),
                            TOKENIZER], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    texts = [line for line in proc.stdout.splitlines() if line.startswith("'")]
-    assert len(texts) == 2 and all(t.startswith("'the") for t in texts), proc.stdout
+    # a random model's text: any characters, quotes included
+    texts = [json.loads(line[len("generated: "):]) for line in proc.stdout.splitlines() if line.startswith("generated: ")]
+    assert len(texts) == 2 and all(t.startswith("the") for t in texts), proc.stdout
 
 
 def _readme_files(folder):
