@@ -24,8 +24,8 @@ unit's norm is taken and the buffer zeroed over the whole unit at once, as witho
 from __future__ import annotations
 
 import threading
-from concurrent.futures import Future
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable
 
