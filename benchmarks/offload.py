@@ -119,6 +119,22 @@ def titan_args(shape: Shape, steps: int, local_batch: int, cpu_offload: bool) ->
     ]
 
 
+# the compiled flame rows of each shape: (row name suffix, what it adds, its options)
+NOCLIP = ("--training.max_norm", "0")
+COMPILED_VARIANTS = (
+    ("", "the same with --training.compile", ()),
+    ("_speculative", "the same with --offload.speculative_step (CPU AdamW during the backward)",
+     ("--offload.speculative_step",)),
+    ("_checkpoint_offload", "the same with --offload.checkpoint_offload (recomputed blocks' inputs in host memory)",
+     ("--offload.checkpoint_offload",)),
+    ("_checkpoint_offload_speculative_noclip", "the same with --offload.checkpoint_offload and "
+     "--offload.speculative_step, without clipping (--training.max_norm 0)",
+     ("--offload.checkpoint_offload", "--offload.speculative_step", *NOCLIP)),
+    ("_speculative_noclip", "the same without clipping (--training.max_norm 0): the speed of steps that do not clip, "
+     "which keep their speculative update", ("--offload.speculative_step", *NOCLIP)),
+)
+
+
 def all_rows(steps: int, shapes=("3B", "8B")) -> list[BenchRow]:
     rows = []
     for key in shapes:
@@ -133,23 +149,9 @@ def all_rows(steps: int, shapes=("3B", "8B")) -> list[BenchRow]:
         rows.append(BenchRow(f"flame_{key}_offload_{s.cap_gib:g}GiB", key, "flame", "offload",
                              f"flame {key}, {seqs} x {s.seq}, offload at {s.cap_gib:g} GiB, {states}",
                              flame_args(s, steps, False), 420))
-        rows.append(BenchRow(f"flame_{key}_offload_{s.cap_gib:g}GiB_compile", key, "flame", "offload",
-                             f"the same with --training.compile", flame_args(s, steps, True), 420))
-        rows.append(BenchRow(f"flame_{key}_offload_{s.cap_gib:g}GiB_compile_speculative", key, "flame", "offload",
-                             "the same with --offload.speculative_step (CPU AdamW during the backward)",
-                             flame_args(s, steps, True) + ["--offload.speculative_step"], 420))
-        rows.append(BenchRow(f"flame_{key}_offload_{s.cap_gib:g}GiB_compile_checkpoint_offload", key, "flame", "offload",
-                             "the same with --offload.checkpoint_offload (recomputed blocks' inputs in host memory)",
-                             flame_args(s, steps, True) + ["--offload.checkpoint_offload"], 420))
-        rows.append(BenchRow(f"flame_{key}_offload_{s.cap_gib:g}GiB_compile_checkpoint_offload_speculative_noclip", key,
-                             "flame", "offload", "the same with --offload.checkpoint_offload and "
-                             "--offload.speculative_step, without clipping (--training.max_norm 0)",
-                             flame_args(s, steps, True) + ["--offload.checkpoint_offload", "--offload.speculative_step",
-                                                           "--training.max_norm", "0"], 420))
-        rows.append(BenchRow(f"flame_{key}_offload_{s.cap_gib:g}GiB_compile_speculative_noclip", key, "flame", "offload",
-                             "the same without clipping (--training.max_norm 0): the speed of steps that do not clip, "
-                             "which keep their speculative update",
-                             flame_args(s, steps, True) + ["--offload.speculative_step", "--training.max_norm", "0"], 420))
+        for suffix, what, extra in COMPILED_VARIANTS:
+            rows.append(BenchRow(f"flame_{key}_offload_{s.cap_gib:g}GiB_compile{suffix}", key, "flame", "offload",
+                                 what, flame_args(s, steps, True) + list(extra), 420))
         for b in resident:
             rows.append(BenchRow(f"titan_{key}_resident_b{b}", key, "torchtitan", "resident",
                                  f"torchtitan llama3 {key}, {b} x {s.seq} x {seqs // b} accumulation, per-block "

@@ -77,8 +77,8 @@ class Offload:
     """Let the planner keep the inputs of recomputed blocks in pinned host memory between their
     forward and backward (copied out after the block's forward, back ahead of its recompute): the
     GPU then holds no activations of those blocks: larger micro-batches, or more weights kept on
-    the GPU, where the memory freed buys more than the copies cost. Off by default until measured
-    on a GPU; `overrides = ["activations[i-j]=recompute_host"]` forces it per block."""
+    the GPU, where the memory freed buys more than the copies cost. Off by default (docs/offload.md
+    has its measurements); `overrides = ["activations[i-j]=recompute_host"]` forces it per block."""
 
     speculative_step: bool = False
     """Start each host block's CPU AdamW as soon as its gradients reach the host, during the rest of

@@ -127,7 +127,7 @@ def solve(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, gpu_budget: int,
     ov = _parse_overrides(overrides or [], n)
     if "prefetch" in ov["glob"]:
         depths = (ov["glob"]["prefetch"],)
-    outers = ("gpu", "host_opt") if allow_offload else ("gpu",)
+    outers = _OUTER_MODES if allow_offload else ("gpu",)
     if "outer" in ov["glob"]:
         outers = (ov["glob"]["outer"],)
     best: tuple[float, Plan] | None = None

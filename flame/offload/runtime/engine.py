@@ -256,6 +256,7 @@ class OffloadEngine:
         """Bytes the engine holds on the compute device, by the categories of
         cost_model.static_gpu_bytes (memory.device_bytes says how each is counted)."""
         return device_bytes(self.units, self.schedule, self.gradients, self.model, self.device)
+
     def memory_explanation(self) -> str:
         """The engine's GPU buffers next to the plan's prediction, by category, and the device's
         allocated bytes now and at peak (logged when the run runs out of GPU memory: what was

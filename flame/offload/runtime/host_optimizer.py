@@ -30,6 +30,7 @@ no_decay parameters (norms, biases, embeddings) excluded as in the plain optimiz
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -37,16 +38,14 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
-import logging
-
 import torch
 import torch.nn as nn
 
 from flame.offload.runtime.units import Unit, same_tensor, set_event
+from flame.offload.runtime.worker import CpuWorker
 from flame.ops import cpu_adamw
 
 logger = logging.getLogger(__name__)
-from flame.offload.runtime.worker import CpuWorker
 
 
 def global_norm(sq: float) -> float:
