@@ -139,6 +139,14 @@ def all_rows(steps: int, muon_steps: int | None = None) -> list[Row]:
     # the same command again in a fresh process: inductor's and flame's tile caches are now warm
     rows += [Row("flame_readme_warm", "readme", "the same command again (warm compile and tile caches)",
                 flame_readme(steps), steps, 420)]
+    # flame's own README: the 7B transformer under a 16 GiB GPU budget (the TOML's batch and schedule)
+    rows.append(Row("readme_7B_offload", "readme", "flame README: transformer_7B, --offload.enable auto "
+                    "--offload.gpu_memory_gib 16 (fla.toml's 8 x 2048, eager)",
+                    ["--job.config_file", TOML, "--model.config", _cfg("transformer_7B"),
+                     "--offload.enable", "auto", "--offload.gpu_memory_gib", "16",
+                     "--model.tokenizer_path", TOKENIZER, "--training.dataset", CORPUS,
+                     "--training.steps", str(steps), "--metrics.log_freq", "1",
+                     "--checkpoint.no-enable-checkpoint", "--checkpoint.no-export-hf"], steps, 480))
     for name, cfg in [("vanilla", "vanilla_transformer_340M"), ("softpick", "softpick_transformer_340M"),
                       ("rectified", "rectified_transformer_340M"), ("scaled_softpick", "scaled_softpick_transformer_340M")]:
         rows.append(Row(f"paper_{name}", "paper", f"softpick paper: {cfg}, 16 x 4096, compile",

@@ -168,30 +168,39 @@ def measure_block_fudges(config, costs_of: dict, prof, seq_len: int, dtype, devi
     if compile_backend and out:
         mb = max(out)
         try:
-            scale = _compile_scale(m, blk, mb, seq_len, device, compile_backend, out[mb]["measured_fwd_bwd_s"])
+            scale, peak = _compile_scale(m, blk, mb, seq_len, device, compile_backend, out[mb]["measured_fwd_bwd_s"])
         except Exception as e:  # a measurement, not the run: the plan can still use the eager times
             logger.warning("offload: timing one compiled block failed (%s: %s); the plan uses eager block times",
                            type(e).__name__, str(e).splitlines()[0] if str(e) else "")
-            scale = 1.0
+            scale, peak = 1.0, None
+        # the compiled block saves other tensors than the eager one: its backward peak, measured at
+        # one micro-batch, scales the eager peaks of the others by the same ratio
+        peak_scale = peak / out[mb]["bwd_peak_bytes"] if peak and out[mb].get("bwd_peak_bytes") else None
         for r in out.values():
             r["compile_scale"] = scale
             for k in ("fudge", "measured_fwd_s", "measured_fwd_bwd_s"):
                 r[k] *= scale
+            if peak_scale is not None:
+                r["eager_bwd_peak_bytes"] = r["bwd_peak_bytes"]
+                r["bwd_peak_bytes"] = int(r["bwd_peak_bytes"] * peak_scale)
     del m, blk
     if device == "cuda":
         torch.cuda.empty_cache()
     return out
 
 
-def _compile_scale(m, blk, micro_batch: int, seq_len: int, device: str, backend: str, eager_s: float) -> float:
+def _compile_scale(m, blk, micro_batch: int, seq_len: int, device: str, backend: str,
+                   eager_s: float) -> tuple[float, int | None]:
     """Compiled / eager seconds of one block's fwd+bwd at `micro_batch` (compiled as the trainer
-    compiles blocks: torch.compile of the block module)."""
+    compiles blocks: torch.compile of the block module), and on a GPU the compiled block's
+    backward peak (as `_time_block` measures the eager one)."""
     args, kwargs = _block_inputs(m, blk, micro_batch, seq_len, device)
     compiled = torch.compile(blk, backend=backend)
 
     fwd_bwd = partial(_block_fwd_bwd, compiled, args, kwargs)
     fwd_bwd()  # compiles
     scale = seconds_per_call(fwd_bwd) / eager_s
+    peak = _bwd_peak_bytes(blk, fwd_bwd) if device == "cuda" else None
     for p in blk.parameters():
         p.grad = None
     # the model's blocks share this block's code: without a reset their first compilation would
@@ -200,7 +209,22 @@ def _compile_scale(m, blk, micro_batch: int, seq_len: int, device: str, backend:
     torch._dynamo.reset()
     logger.info("offload: one compiled block at micro-batch %d x %d runs in %.2fx its eager time; the plan's "
                 "block times use that", micro_batch, seq_len, scale)
-    return scale
+    return scale, peak
+
+
+def _bwd_peak_bytes(blk, fwd_bwd) -> int:
+    """What one fwd+bwd of `blk` allocates on the GPU above what is already there: a recomputed
+    block's backward on top of its input (the recomputed activations, its output and incoming
+    gradient, the backward's buffers). Its weight grads are allocated first: the engine's grad
+    slots are static memory."""
+    for p in blk.parameters():
+        p.grad = torch.zeros_like(p)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fwd_bwd()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
 
 
 def _time_outer(m, costs, micro_batch: int, seq_len: int, device: str) -> dict:
@@ -294,17 +318,7 @@ def _time_block(m, blk, costs, prof, micro_batch: int, seq_len: int, device: str
     out = {"fudge": tfb / (pf + pb), "measured_fwd_s": tf, "measured_fwd_bwd_s": tfb,
            "predicted_fwd_s": pf, "predicted_fwd_bwd_s": pf + pb}
     if device == "cuda":
-        # what a recomputed block's backward adds on top of its input: the recomputed activations,
-        # its output and incoming gradient, the backward's buffers. Its weight grads are allocated
-        # first: the engine's grad slots are static memory
-        for p in blk.parameters():
-            p.grad = torch.zeros_like(p)
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        fwd_bwd()
-        torch.cuda.synchronize()
-        out["bwd_peak_bytes"] = torch.cuda.max_memory_allocated() - base
+        out["bwd_peak_bytes"] = _bwd_peak_bytes(blk, fwd_bwd)
     for p in blk.parameters():
         p.grad = None
     return out
