@@ -200,6 +200,10 @@ class Trainer(Stateful):
         # the model and its optimizers, parallelized, materialized and initialized (or run by the
         # host-offload engine, with the same calls)
         self.parts = maybe_offload(model, pd, cfg, self.device, init_weights)
+        if self.parts.state_in_host_memory:
+            for loader in (self.dataloader, self.val_loader):
+                if loader is not None and loader.num_workers > 0:
+                    loader.multiprocessing_context = "forkserver"  # workers created later share no pages
         model = self.parts.model
         model.train()
         self.model = model

@@ -284,6 +284,10 @@ class TrainingParts:
     loss_scale: int  # the loss is multiplied by this before the backward (DDP averages its replicas' grads)
     autocast: object  # the context the forward runs under
     calibrator: object | None  # the offload plan's in-run calibration (StepCalibrator), None without
+    # the trained state (weights, grads, optimizer state) lives in host memory and is rewritten every
+    # step: a data-loader worker forked from this process would keep the pages it shared at the fork,
+    # and copy-on-write would then hold that memory twice, so workers start from a fork server
+    state_in_host_memory: bool = False
 
 
 def maybe_offload(model: nn.Module, parallel_dims, job_config, device: torch.device,
@@ -317,7 +321,8 @@ def maybe_offload(model: nn.Module, parallel_dims, job_config, device: torch.dev
             model=model, optimizers=build_optimizers([model], job_config.optimizer, device),
             clip_grad_norm=lambda max_norm: clip_grad_norm_(model.parameters(), max_norm), weights=None,
             micro_batch=0, loss_scale=pd.dp_replicate if (pd.dp_replicate_enabled and not pd.fsdp_enabled) else 1,
-            autocast=autocast_context(pd, mixed, device.type, False), calibrator=None)
+            autocast=autocast_context(pd, mixed, device.type, False), calibrator=None,
+            state_in_host_memory=device.type == "cpu")
     from flame.offload.adapter import EngineModelState, OffloadOptimizers
 
     engine, calibrator = offloaded
@@ -326,7 +331,8 @@ def maybe_offload(model: nn.Module, parallel_dims, job_config, device: torch.dev
     # the engine sums the grads over the ranks (as FSDP does), whatever the data-parallel layout
     return TrainingParts(model=model, optimizers=optimizers, clip_grad_norm=optimizers.clip_grad_norm_,
                          weights=EngineModelState(engine), micro_batch=engine.plan.micro_batch, loss_scale=1,
-                         autocast=autocast_context(parallel_dims, mixed, device.type, True), calibrator=calibrator)
+                         autocast=autocast_context(parallel_dims, mixed, device.type, True), calibrator=calibrator,
+                         state_in_host_memory=True)
 
 
 def apply_offload(model, job_config, parallel_dims, device):

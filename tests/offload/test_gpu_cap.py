@@ -4,6 +4,7 @@ reserved memory plus the driver memory outside torch's allocator (CUDA context, 
 within the cap."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -38,20 +39,21 @@ def test_peak_reserved_plus_context_stays_within_the_cap(tmp_path):
     config = tmp_path / "model.json"
     config.write_text(json.dumps(MODEL))
     dump = str(tmp_path / "dump")
-    args = tiny_job(dump, "--training.steps", "6", "--training.batch_size", "2", "--training.seq_len", "1024",
-                    "--offload.enable", "on", "--offload.gpu_memory_gib", str(CAP_GIB), "--checkpoint.no-enable",
-                    config=str(config), precision=None)
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
-    env.update(PYTHONPATH=PYTHONPATH, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     # the job counts every byte on the GPU outside its own allocator against its cap, this pytest
-    # process's CUDA context and cached blocks from earlier GPU tests included: those bytes are
-    # not the job's, and the job's own use is the cap's subject
+    # process's CUDA context and what earlier GPU tests left included: those bytes are not the
+    # job's, so its cap is CAP_GIB on top of them, and the job's own use is the subject
     others = 0
     if torch.cuda.is_initialized():
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(0)
         others = total - free
+    cap_gib = CAP_GIB + math.ceil(others / GiB * 100) / 100
+    args = tiny_job(dump, "--training.steps", "6", "--training.batch_size", "2", "--training.seq_len", "1024",
+                    "--offload.enable", "on", "--offload.gpu_memory_gib", str(cap_gib), "--checkpoint.no-enable",
+                    config=str(config), precision=None)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
+    env.update(PYTHONPATH=PYTHONPATH, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     proc = subprocess.run([sys.executable, "-c", TRAIN, json.dumps(args)], capture_output=True, text=True,
                           timeout=900, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
