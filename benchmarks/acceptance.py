@@ -291,7 +291,24 @@ def run_in_group(cmd: list[str], env: dict, log_path: str, cap_s: float, started
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
                 rc = "timeout"
-    return rc, time.perf_counter() - start, first
+    wall = time.perf_counter() - start
+    _wait_for_group_exit(proc.pid)
+    return rc, wall, first
+
+
+def _wait_for_group_exit(pgid: int, limit_s: float = 120.0) -> None:
+    """Wait until no process of group ``pgid`` is left: a killed worker can take minutes to exit
+    while its pinned host memory is released, and the next row must not start beside it."""
+    end = time.perf_counter() + limit_s
+    while time.perf_counter() < end:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        except PermissionError:  # a zombie member not yet reaped by init still answers
+            pass
+        time.sleep(0.5)
+    print(f"warning: processes of group {pgid} still alive {limit_s:.0f} s after the row ended", flush=True)
 
 
 def gpu_slots(parallel: int) -> tuple[list, int]:
