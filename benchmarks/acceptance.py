@@ -93,13 +93,19 @@ def softpick_paper(config: str, steps: int, compile_: bool = True) -> list[str]:
     ]
 
 
-def config_run(config: str, steps: int, batch: int, seq: int, extra: tuple = (), lr: str = "1e-3") -> list[str]:
+# the TOML's schedule (1024 warmup steps of 10000): torchtitan shrinks a warmup longer than the
+# run to the run's steps, so a row of a few steps sets the schedule's length to run its first steps
+TOML_SCHEDULE = ("--lr_scheduler.warmup_steps", "1024", "--lr_scheduler.total_steps", "10000")
+
+
+def config_run(config: str, steps: int, batch: int, seq: int, extra: tuple = (), lr: str = "1e-3",
+               schedule: tuple = ("--lr_scheduler.warmup_steps", "5")) -> list[str]:
     """A model JSON at its real size with flame's defaults (compile on, no checkpoints)."""
     return [
         "--job.config_file", TOML, "--model.config", config, "--model.tokenizer_path", TOKENIZER,
         "--training.dataset", CORPUS, "--training.batch_size", str(batch), "--training.seq_len", str(seq),
         "--training.steps", str(steps), "--training.num_workers", "4", "--training.compile",
-        "--optimizer.lr", lr, "--lr_scheduler.warmup_steps", "5", "--metrics.log_freq", "1",
+        "--optimizer.lr", lr, *schedule, "--metrics.log_freq", "1",
         "--checkpoint.no-enable-checkpoint", "--checkpoint.no-export-hf", *extra,
     ]
 
@@ -145,7 +151,7 @@ def all_rows(steps: int, muon_steps: int | None = None) -> list[Row]:
                     ["--job.config_file", TOML, "--model.config", _cfg("transformer_7B"),
                      "--offload.enable", "auto", "--offload.gpu_memory_gib", "16",
                      "--model.tokenizer_path", TOKENIZER, "--training.dataset", CORPUS,
-                     "--training.steps", str(steps), "--metrics.log_freq", "1",
+                     "--training.steps", str(steps), *TOML_SCHEDULE[2:], "--metrics.log_freq", "1",
                      "--checkpoint.no-enable-checkpoint", "--checkpoint.no-export-hf"], steps, 480))
     for name, cfg in [("vanilla", "vanilla_transformer_340M"), ("softpick", "softpick_transformer_340M"),
                       ("rectified", "rectified_transformer_340M"), ("scaled_softpick", "scaled_softpick_transformer_340M")]:
@@ -191,11 +197,21 @@ def all_rows(steps: int, muon_steps: int | None = None) -> list[Row]:
                                                  (*varlen, "--training.sft", "--training.dataset", sft_data)),
                     steps, 300, reference="sft_pretrain_transformer_1B", target_ratio=0.9))
     rows += lora_rows(steps) + muon_rows(muon_steps or MUON_STEPS)
-    for name in CONFIGS_7B:  # lr 3e-4: at the small models' 1e-3 the 7B losses rise within the warmup
-        rows.append(Row(f"config_{name}_offload", "offload", f"{name}, 2 x 2048, lr 3e-4, --offload.enable auto",
+    # the 7B rows run the first steps of the TOML's schedule at lr 3e-4: with a warmup of a few
+    # steps (1e-3 or 3e-4) their losses rose from initialization
+    for name in CONFIGS_7B:
+        rows.append(Row(f"config_{name}_offload", "offload", f"{name}, 2 x 2048, lr 3e-4 with the TOML's schedule, "
+                        "--offload.enable auto",
                         config_run(_cfg(name), steps, 2, 2048, ("--offload.enable", "auto",
-                                                                 "--activation_checkpoint.mode", "full"), lr="3e-4"),
-                        steps, 420))
+                                                                 "--activation_checkpoint.mode", "full"), lr="3e-4",
+                                   schedule=TOML_SCHEDULE), steps, 540 if name.startswith("gla") else 420))
+    # the offload engine against the resident run at a real size: the same command, losses side by side
+    rows.append(Row("config_transformer_1B_offload", "offload", "transformer_1B, 4 x 2048, full AC, compile, "
+                    "--offload.enable on --offload.gpu_memory_gib 12 (the loss curve of config_transformer_1B)",
+                    config_run(_cfg("transformer_1B"), steps, 4, 2048,
+                               ("--activation_checkpoint.mode", "full", "--offload.enable", "on",
+                                "--offload.gpu_memory_gib", "12")), steps, 420,
+                    reference="config_transformer_1B", plot_with="config_transformer_1B"))
     return rows
 
 
@@ -419,14 +435,23 @@ def write_markdown(json_path: str, md: str) -> None:
 def ratios(rows: list[Row], results: list[dict]) -> list[dict]:
     """Each row with a reference: its tokens/s over the reference row's, when both ran."""
     tps = {r["row"]: r.get("tokens_per_second") for r in results}
+    curves = {r["row"]: r.get("loss_curve") for r in results}
     out = []
     for row in rows:
         if row.reference and tps.get(row.name) and tps.get(row.reference):
             ratio = tps[row.name] / tps[row.reference]
             out.append({"row": row.name, "reference": row.reference, "ratio": round(ratio, 3),
                         "target_ratio": row.target_ratio,
-                        "met": None if row.target_ratio is None else ratio >= row.target_ratio})
+                        "met": None if row.target_ratio is None else ratio >= row.target_ratio,
+                        "loss_max_abs_diff": loss_gap(curves.get(row.name), curves.get(row.reference))})
     return out
+
+
+def loss_gap(curve: list | None, reference: list | None) -> float | None:
+    """The largest |loss - reference loss| over the steps both logged (None: nothing in common)."""
+    ref = dict(map(tuple, reference or []))
+    gaps = [abs(loss - ref[step]) for step, loss in curve or [] if step in ref]
+    return round(max(gaps), 4) if gaps else None
 
 
 def plot_pairs(rows: list[Row], results: list[dict], out_json: str) -> list[str]:
@@ -474,7 +499,10 @@ def markdown(doc: dict) -> str:
         line = f"- {q['row']}: {q['ratio']:.2f}x the tokens/s of {q['reference']} ({(q['ratio'] - 1) * 100:+.0f}%"
         if q["target_ratio"] is not None:
             line += f"; target >= {q['target_ratio']}x, {'met' if q['met'] else 'NOT met'}"
-        lines.append(line + ")")
+        line += ")"
+        if q.get("loss_max_abs_diff") is not None:
+            line += f"; losses differ by at most {q['loss_max_abs_diff']} over the steps both logged"
+        lines.append(line)
     for r in doc["results"]:
         if r.get("trained_tokens_per_second"):
             lines.append(f"- {r['row']}: {r['trained_tokens_per_second']:,} trained (loss) tokens/s of "
