@@ -127,6 +127,9 @@ COMPILED_VARIANTS = (
      ("--offload.speculative_step",)),
     ("_checkpoint_offload", "the same with --offload.checkpoint_offload (recomputed blocks' inputs in host memory)",
      ("--offload.checkpoint_offload",)),
+    ("_checkpoint_offload_speculative", "the same with --offload.checkpoint_offload and --offload.speculative_step "
+     "(clipping on: a clipped step redoes its speculative updates)",
+     ("--offload.checkpoint_offload", "--offload.speculative_step")),
     ("_checkpoint_offload_speculative_noclip", "the same with --offload.checkpoint_offload and "
      "--offload.speculative_step, without clipping (--training.max_norm 0)",
      ("--offload.checkpoint_offload", "--offload.speculative_step", *NOCLIP)),
