@@ -195,7 +195,9 @@ def explain(rc: int, records: list[dict], job: Job, rdzv: str) -> tuple[int, str
             name = signal.Signals(int(sig)).name
         except ValueError:
             name = f"signal {sig}"
-        hint = " (out of memory?)" if name == "SIGKILL" else ""
+        # the kernel's OOM killer sends SIGKILL; with offload the host budget is the lever
+        hint = (" (out of host memory? under offload, a smaller --offload.host_memory_gib leaves more of it to "
+                "the rest of the machine)") if name == "SIGKILL" else ""
         return 1, f"flame: crashed: a worker was killed by {name}{hint}; torchrun's log: DUMP/logs/torchrun.log"
     return rc, "".join(job.torchrun_lines[-20:]) + f"flame: crashed: torchrun exited with {rc}; logs under DUMP/logs"
 

@@ -208,6 +208,11 @@ def test_launcher_picks_the_line_that_explains_the_run():
     code, text = explain(1, [], job, "MASTER_ADDR=10.0.0.1 MASTER_PORT=29500")
     assert code == 2 and text.startswith("flame: error: rendezvous at MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 failed")
     assert explain(0, [], Job([], sys.executable, {}), "") == (0, "")
+    # torchrun's record of a worker the kernel's OOM killer took
+    job.torchrun_lines = ["E1126 15:44:30 api.py:874] failed (exitcode: -9) local_rank: 0 (pid: 123) of binary: python\n"]
+    code, text = explain(1, [], job, "")
+    assert code == 1 and text.startswith("flame: crashed: a worker was killed by SIGKILL (out of host memory?")
+    assert "--offload.host_memory_gib" in text
 
 
 def test_out_of_memory_under_offload_logs_the_engine_memory(tmp_path, run_main, monkeypatch, capfd):
