@@ -95,7 +95,8 @@ def softpick_paper(config: str, steps: int, compile_: bool = True) -> list[str]:
 
 # the TOML's schedule (1024 warmup steps of 10000): torchtitan shrinks a warmup longer than the
 # run to the run's steps, so a row of a few steps sets the schedule's length to run its first steps
-TOML_SCHEDULE = ("--lr_scheduler.warmup_steps", "1024", "--lr_scheduler.total_steps", "10000")
+TOML_TOTAL_STEPS = ("--lr_scheduler.total_steps", "10000")
+TOML_SCHEDULE = ("--lr_scheduler.warmup_steps", "1024", *TOML_TOTAL_STEPS)
 
 
 def config_run(config: str, steps: int, batch: int, seq: int, extra: tuple = (), lr: str = "1e-3",
@@ -151,7 +152,7 @@ def all_rows(steps: int, muon_steps: int | None = None) -> list[Row]:
                     ["--job.config_file", TOML, "--model.config", _cfg("transformer_7B"),
                      "--offload.enable", "auto", "--offload.gpu_memory_gib", "16",
                      "--model.tokenizer_path", TOKENIZER, "--training.dataset", CORPUS,
-                     "--training.steps", str(steps), *TOML_SCHEDULE[2:], "--metrics.log_freq", "1",
+                     "--training.steps", str(steps), *TOML_TOTAL_STEPS, "--metrics.log_freq", "1",
                      "--checkpoint.no-enable-checkpoint", "--checkpoint.no-export-hf"], steps, 480))
     for name, cfg in [("vanilla", "vanilla_transformer_340M"), ("softpick", "softpick_transformer_340M"),
                       ("rectified", "rectified_transformer_340M"), ("scaled_softpick", "scaled_softpick_transformer_340M")]:
@@ -321,7 +322,7 @@ def _wait_for_group_exit(pgid: int, limit_s: float = 120.0) -> None:
             os.killpg(pgid, 0)
         except ProcessLookupError:
             return
-        except PermissionError:  # a zombie member not yet reaped by init still answers
+        except PermissionError:  # a member this user may not signal: it exists all the same
             pass
         time.sleep(0.5)
     print(f"warning: processes of group {pgid} still alive {limit_s:.0f} s after the row ended", flush=True)
