@@ -242,27 +242,32 @@ def refuse_cpu_model_beyond_host(model: nn.Module, parallel_dims) -> None:
                           "use a GPU or a smaller model")
 
 
-def _wants_offload(model: nn.Module, parallel_dims, job_config, device: torch.device) -> bool:
+def _offload_decision(model: nn.Module, parallel_dims, job_config, device: torch.device) -> tuple[bool, tuple | None]:
     """The offload decision: ``on`` always offloads; ``auto`` offloads on a GPU when the planner
-    says the plain plan does not fit the budgets (on CPU there is nothing to offload to)."""
+    says the plain plan does not fit the budgets (on CPU there is nothing to offload to).
+    Returns (offload?, the planner's (plan, costs, profile) when ``auto`` made one to decide): the
+    engine then runs that plan, so its block timing and compilation are not paid twice."""
     mode = job_config.offload.enable
     if mode == "auto" and device.type != "cuda":
         changed = job_config.offload.changed_options()
         if changed:  # set by the user, unused: say so rather than drop them in silence
             logger.info("offload: enable=auto offloads only on a GPU; on %s these have no effect: %s "
                         "(offload.enable on runs the engine here)", device.type, ", ".join(changed))
-        return False
+        return False, None
     if mode == "off":
-        return False
+        return False, None
     if mode == "auto":
         if _clearly_fits(model, parallel_dims, job_config, device):
             logger.info("offload: model state uses under half the GPU budget; plain plan, no planner run")
-            return False
-        plan, _, _ = build_plan(model, job_config, device, parallel_dims.world_size)  # shapes only: the model stays on meta
+            return False, None
+        # shapes only: the model stays on meta; every rank takes rank 0's decision
+        plan, costs, prof = build_plan(model, job_config, device, parallel_dims.world_size)
+        plan = agree_on_plan(plan)
         if not plan.offloads:
             logger.info("offload: the plain plan fits the budgets; no offload")
-            return False
-    return True
+            return False, None
+        return True, (plan, costs, prof)
+    return True, None
 
 
 @dataclass
@@ -302,14 +307,15 @@ def maybe_offload(model: nn.Module, parallel_dims, job_config, device: torch.dev
     prepare_blocks(model, parallel_dims, job_config)
     mixed = job_config.training.mixed_precision_param
     offloaded = None
-    if _wants_offload(model, parallel_dims, job_config, device):
+    wanted, planned = _offload_decision(model, parallel_dims, job_config, device)
+    if wanted:
         from flame.components.muon import refuse_offloaded_muon
 
         refuse_offloaded_muon(job_config)  # offload.enable auto chose to offload
         # the master copy lives in host memory; the engine moves each block where the plan says
         model.to_empty(device="cpu")
         init_fn(model)
-        offloaded = apply_offload(model, job_config, parallel_dims, device)
+        offloaded = apply_offload(model, job_config, parallel_dims, device, planned)
     if offloaded is None:
         if device.type == "cpu":
             refuse_cpu_model_beyond_host(model, parallel_dims)
@@ -335,13 +341,14 @@ def maybe_offload(model: nn.Module, parallel_dims, job_config, device: torch.dev
                          state_in_host_memory=True)
 
 
-def apply_offload(model, job_config, parallel_dims, device):
+def apply_offload(model, job_config, parallel_dims, device, planned: tuple | None = None):
     """Plan and, when the plan offloads (or offload.enable=on), wrap `model` in an OffloadEngine.
 
-    Called by `maybe_offload` once `_wants_offload` said yes (offload.enable on, or auto). `model`
+    Called by `maybe_offload` once `_offload_decision` said yes (offload.enable on, or auto). `model`
     must be materialized (CPU or GPU) and initialized, with fp32/master values; the engine moves
     every block to where the plan puts it. Returns (engine, calibrator or None), or None when
-    enable=auto and everything fits (the plain path then, no overhead)."""
+    enable=auto and everything fits (the plain path then, no overhead). `planned`: the (plan,
+    costs, profile) `_offload_decision` already made for this model (else the plan is built here)."""
     from flame.offload.runtime.engine import OffloadEngine
     from flame.offload.planner.solver import describe
 
@@ -351,7 +358,7 @@ def apply_offload(model, job_config, parallel_dims, device):
     check_parallel_dims(parallel_dims)
     if any(p.device.type == "meta" for p in model.parameters()):
         raise ConfigError("offload: the model must be materialized (init on CPU) before apply_offload")
-    plan, costs, prof = build_plan(model, job_config, device, world)
+    plan, costs, prof = planned if planned is not None else build_plan(model, job_config, device, world)
     plan = agree_on_plan(plan)
     text = describe(plan, costs) if costs is not None else f"replayed plan {off.plan}: {plan.predicted}"
     if off.enable == "auto" and not plan.offloads:

@@ -5,7 +5,7 @@ import re
 
 import pytest
 import torch
-from transformers import LlamaConfig
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from flame.errors import ConfigError
 from flame.offload.config import Offload
@@ -864,17 +864,59 @@ def test_auto_on_cpu_says_which_offload_options_have_no_effect(caplog):
     import logging
     from types import SimpleNamespace
 
-    from flame.offload import _wants_offload
+    from flame.offload import _offload_decision
 
     def job(**kw):
         return SimpleNamespace(offload=Offload(**kw))
 
     with caplog.at_level(logging.INFO, logger="flame.offload"):
-        assert not _wants_offload(None, None, job(speculative_step=True, overrides=["prefetch=2"]), torch.device("cpu"))
-        assert not _wants_offload(None, None, job(), torch.device("cpu"))
+        assert _offload_decision(None, None, job(speculative_step=True, overrides=["prefetch=2"]),
+                                 torch.device("cpu")) == (False, None)
+        assert _offload_decision(None, None, job(), torch.device("cpu")) == (False, None)
     lines = [r.getMessage() for r in caplog.records if r.name == "flame.offload"]
     assert len(lines) == 1 and "offload.speculative_step, offload.overrides" in lines[0]
     assert Offload(enable="on").changed_options() == []
+
+
+def test_auto_offload_plans_once_and_the_engine_runs_that_plan(monkeypatch, tmp_path):
+    """offload.enable auto plans (block timing, a compilation) to decide; the engine is built from
+    that plan, not from a second planner run."""
+    import os
+    from types import SimpleNamespace
+
+    import flame.offload as fo
+    from flame.config.manager import FlameConfigManager
+
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=256)
+    cfg.save_pretrained(tmp_path / "m")
+    profile = os.path.join(os.path.dirname(fo.__file__), "profiles", "h100_80gb_measured.json")
+    job = FlameConfigManager().parse_args(["--model.config", str(tmp_path / "m"), "--training.seq_len", "64",
+                                           "--job.dump_folder", str(tmp_path / "dump"), "--offload.enable", "auto",
+                                           "--offload.overrides", "weights[*]=host", "--offload.profile", profile])
+    with torch.device("meta"):
+        meta = LlamaForCausalLM(cfg)
+    calls = []
+    real_build = fo.build_plan
+
+    def counted(model, job_config, device, world=1):
+        calls.append(device)
+        return real_build(model, job_config, "cpu", world)  # the stored profile, CPU block costs
+
+    monkeypatch.setattr(fo, "build_plan", counted)
+    pd = SimpleNamespace(dp_shard=1, tp=1, world_size=1)
+    # auto plans on a GPU only: the decision is asked for "cuda", the planner runs on the CPU
+    monkeypatch.setattr(fo, "_clearly_fits", lambda *a: False)
+    wanted, planned = fo._offload_decision(meta, pd, job, torch.device("cuda"))
+    assert wanted and planned is not None and planned[0].offloads and len(calls) == 1
+
+    def refuse(*a, **k):
+        raise AssertionError("planned twice")
+
+    monkeypatch.setattr(fo, "build_plan", refuse)
+    model = LlamaForCausalLM(cfg)
+    engine, _ = fo.apply_offload(model, job, pd, "cpu", planned)
+    assert engine.plan is planned[0]
+    engine.close()
 
 
 def test_cpu_run_refuses_a_model_beyond_host_memory(monkeypatch):
