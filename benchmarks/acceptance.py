@@ -38,6 +38,8 @@ TOML = os.path.join(ROOT, "flame/models/fla.toml")
 TOKENIZER = os.path.join(ROOT, "flame/assets/tokenizer")
 CORPUS = os.path.join(ROOT, "flame/assets/sample_corpus")
 SFT_SAMPLE = os.path.join(ROOT, "flame/assets/sft_sample")
+# a killed row's processes can take minutes to exit while their pinned host memory is released
+GROUP_EXIT_WAIT_S = 120.0
 
 
 @dataclass
@@ -289,11 +291,13 @@ def records(path: str) -> list[dict]:
     return [rec for rec in metric_lines(path) if "loss" in rec]
 
 
-def run_in_group(cmd: list[str], env: dict, log_path: str, cap_s: float, started=None) -> tuple:
+def run_in_group(cmd: list[str], env: dict, log_path: str, cap_s: float, started=None,
+                 exit_wait_s: float = GROUP_EXIT_WAIT_S) -> tuple:
     """Run ``cmd`` in its own process group, stdout and stderr into ``log_path``, killed (the whole
-    group: a launcher and its workers) after ``cap_s`` seconds. ``started()`` is polled until it
-    says True (e.g. the first step is logged). Returns (exit code or "timeout", wall seconds,
-    seconds until ``started`` said True or None)."""
+    group: a launcher and its workers) after ``cap_s`` seconds, then wait up to ``exit_wait_s`` for
+    the group to be gone. ``started()`` is polled until it says True (e.g. the first step is
+    logged). Returns (exit code or "timeout", wall seconds, seconds until ``started`` said True or
+    None)."""
     start = time.perf_counter()
     first = None
     with open(log_path, "w") as log:
@@ -309,11 +313,19 @@ def run_in_group(cmd: list[str], env: dict, log_path: str, cap_s: float, started
                 proc.wait()
                 rc = "timeout"
     wall = time.perf_counter() - start
-    _wait_for_group_exit(proc.pid)
+    _wait_for_group_exit(proc.pid, exit_wait_s)
     return rc, wall, first
 
 
-def _wait_for_group_exit(pgid: int, limit_s: float = 120.0) -> None:
+def row_time(cap_s: float, left_s: float) -> tuple[float, float]:
+    """A row's wall cap and its wait for the group's exit within ``left_s`` seconds of the call's
+    budget: the wait comes out of the budget, so a row killed at its cap still returns (and its
+    result is written) before the budget ends."""
+    cap = min(cap_s, left_s - 10.0)
+    return cap, max(5.0, min(GROUP_EXIT_WAIT_S, left_s - cap - 5.0))
+
+
+def _wait_for_group_exit(pgid: int, limit_s: float) -> None:
     """Wait until no process of group ``pgid`` is left: a killed worker can take minutes to exit
     while its pinned host memory is released, and the next row must not start beside it."""
     end = time.perf_counter() + limit_s
@@ -345,7 +357,7 @@ def gpu_slots(parallel: int) -> tuple[list, int]:
     return [ids[i % len(ids)] for i in range(parallel)], -(-parallel // len(ids))
 
 
-def run_row(row: Row, runs: str, cap_s: float, gpu: str | None = None) -> dict:
+def run_row(row: Row, runs: str, cap_s: float, gpu: str | None = None, exit_wait_s: float = GROUP_EXIT_WAIT_S) -> dict:
     dump = os.path.join(runs, row.name)
     shutil.rmtree(dump, ignore_errors=True)
     os.makedirs(dump)
@@ -365,7 +377,7 @@ def run_row(row: Row, runs: str, cap_s: float, gpu: str | None = None) -> dict:
         env["CUDA_VISIBLE_DEVICES"] = gpu
     log_path = os.path.join(dump, "console.log")
     metrics = os.path.join(dump, "metrics.jsonl")
-    rc, wall, first_step_s = run_in_group(cmd, env, log_path, cap_s, lambda: bool(records(metrics)))
+    rc, wall, first_step_s = run_in_group(cmd, env, log_path, cap_s, lambda: bool(records(metrics)), exit_wait_s)
     with open(log_path, errors="replace") as f:
         console = f.read()
     recs = records(metrics)
@@ -606,7 +618,8 @@ def main() -> int:
         gpu = free.get()
         try:
             print(f"== {row.name} (GPU {gpu}): {row.what}", flush=True)
-            res = run_row(row, a.runs, min(row.cap_s, left), gpu)
+            cap, exit_wait = row_time(row.cap_s, left)
+            res = run_row(row, a.runs, cap, gpu, exit_wait)
         finally:
             free.put(gpu)
         res["rows_sharing_gpu"] = shared

@@ -44,7 +44,8 @@ ROOT = os.path.dirname(HERE)
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-from acceptance import commit, device_info, gpu_slots, metric_lines, records, run_in_group, versions, write_markdown  # noqa: E402
+from acceptance import (GROUP_EXIT_WAIT_S, commit, device_info, gpu_slots, metric_lines, records, row_time,  # noqa: E402
+                        run_in_group, versions, write_markdown)
 
 TOML = os.path.join(ROOT, "flame/models/fla.toml")
 TOKENIZER = os.path.join(ROOT, "flame/assets/tokenizer")
@@ -260,7 +261,8 @@ def fit_problem(row: BenchRow) -> str | None:
     return None
 
 
-def run_bench_row(row: BenchRow, runs: str, cap_s: float, gpu: str | None = None) -> dict:
+def run_bench_row(row: BenchRow, runs: str, cap_s: float, gpu: str | None = None,
+                  exit_wait_s: float = GROUP_EXIT_WAIT_S) -> dict:
     dump = os.path.join(runs, row.name)
     shutil.rmtree(dump, ignore_errors=True)
     os.makedirs(dump)
@@ -272,7 +274,7 @@ def run_bench_row(row: BenchRow, runs: str, cap_s: float, gpu: str | None = None
     log_path = os.path.join(dump, "console.log")
     metrics = os.path.join(dump, "metrics.jsonl")
     started = (lambda: bool(records(metrics))) if row.framework == "flame" else None
-    rc, wall, first = run_in_group(cmd, env, log_path, cap_s, started)
+    rc, wall, first = run_in_group(cmd, env, log_path, cap_s, started, exit_wait_s)
     with open(log_path, errors="replace") as f:
         console = f.read()
     steps = records(metrics) if row.framework == "flame" else titan_steps(console)
@@ -395,7 +397,8 @@ def main(argv: list[str] | None = None) -> int:
                 res = {"exit": "not run", "reason": "out of the call's time budget"}
             else:
                 print(f"== {row.name} (GPU {gpu}): {row.what}", flush=True)
-                res = run_bench_row(row, a.runs, min(row.cap_s, left), gpu)
+                cap, exit_wait = row_time(row.cap_s, left)
+                res = run_bench_row(row, a.runs, cap, gpu, exit_wait)
                 if gpu is not None:
                     res["gpu"] = gpu
             res = {"row": row.name, "shape": row.shape, "framework": row.framework, "mode": row.mode,

@@ -133,3 +133,24 @@ def test_status_takes_each_rows_latest_run_over_result_files(tmp_path):
     assert "| 1 |" in lines["flame_readme"] and "bbbbbbb" in lines["flame_readme"]
     assert "| 50 |" in lines["paper_sdpa"] and "early.json" in lines["paper_sdpa"]
     assert "never run" in lines["paper_vanilla"]
+
+
+@pytest.mark.parametrize("cap_s,left_s", [(540, 425), (300, 1000), (540, 70), (600, 600)])
+def test_a_row_and_its_exit_wait_end_within_the_calls_budget(cap_s, left_s):
+    """A row killed at its cap still returns (and its result is written) before the budget ends:
+    the wait for its processes to exit is counted in the budget."""
+    cap, wait = acceptance.row_time(cap_s, left_s)
+    assert 0 < cap <= cap_s and cap + wait <= left_s and wait >= 5
+    if left_s - cap_s > acceptance.GROUP_EXIT_WAIT_S + 10:
+        assert (cap, wait) == (cap_s, acceptance.GROUP_EXIT_WAIT_S)
+
+
+def test_a_killed_group_is_waited_for_no_longer_than_asked(tmp_path):
+    """A row over its cap: its whole process group (a shell and its child) is killed, and
+    run_in_group returns "timeout" within the cap and the exit wait."""
+    import time
+
+    t = time.perf_counter()
+    rc, wall, _ = acceptance.run_in_group(["sh", "-c", "sleep 60 & sleep 60"], dict(os.environ),
+                                          str(tmp_path / "log"), cap_s=1.0, exit_wait_s=2.0)
+    assert rc == "timeout" and wall < 5 and time.perf_counter() - t < 8
