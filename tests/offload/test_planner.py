@@ -457,6 +457,53 @@ def test_step_calibration_refits_writes_and_reuses_the_plan(tmp_path, monkeypatc
     assert cal.calibrated_plan_for(str(tmp_path), tight, []) is None
 
 
+def test_calibration_says_when_a_speculative_plan_runs_slower_than_it_would_without(tmp_path, monkeypatch, costs,
+                                                                                     caplog):
+    """A speculative plan whose CPU AdamW the engine timed at a third of the profiled rate (beside
+    the backward), with a step slower than the same plan predicted without speculation: the
+    report has that prediction and one log line says the flag likely costs time. A step as
+    predicted: the prediction is reported, nothing is said."""
+    import logging
+    import types
+
+    from flame.offload.measure import calibration as step_timing
+    from flame.offload.measure.calibration import StepCalibrator
+    from flame.offload.planner import refit as cal
+
+    p = prof(cpu_adam_one_pass=True)  # no copy aside: at the profiled rate speculation pays
+    plan = solve(costs, p, Dtypes(), 40 * GiB, 64 * GiB, 2, 1, 15, overrides=["weights[*]=host"],
+                 speculative_step=True)
+    assert plan.speculative_step and any(m != "gpu" for m in plan.layer_modes)
+    plain_s = cal.without_speculation(plan, costs, p)
+    assert plain_s > plan.predicted["step_s"]
+    assert plain_s == pytest.approx(cal.predict_again(dataclasses.replace(plan, speculative_step=False), costs, p,
+                                                      plan.predicted["compute_fudge"]).step_s)
+    profiled_s = sum(u.numel for u, m in zip([costs.outer] + list(costs.layers),
+                                             [plan.outer_mode] + plan.layer_modes) if m != "gpu") / p.cpu_adam_rate(15)
+
+    def calibrate(step_s: float, cpu_adam_s: float) -> dict:
+        clock = iter([100.0, 100.0 + step_s])
+        monkeypatch.setattr(step_timing.time, "perf_counter", lambda: next(clock))
+        engine = types.SimpleNamespace(synchronize=lambda: None, reset_host_seconds=lambda: {"cpu_adam": cpu_adam_s})
+        calib = StepCalibrator(engine, plan, costs, p, [], str(tmp_path), window=1, write=False)
+        for _ in range(StepCalibrator.FIRST):
+            calib.before_step()
+            rep = calib.after_step(peak_bytes=GiB)
+        return rep
+
+    hint = "likely faster without the flag"
+    with caplog.at_level(logging.INFO, logger=step_timing.logger.name):
+        rep = calibrate(plan.predicted["step_s"], profiled_s)
+    assert rep["predicted_step_without_speculation_s"] == pytest.approx(plain_s)
+    assert not [r for r in caplog.records if hint in r.getMessage()]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger=step_timing.logger.name):
+        rep = calibrate(1.5 * plain_s, 3 * profiled_s)
+    lines = [r.getMessage() for r in caplog.records if hint in r.getMessage()]
+    assert rep["refit_cpu_adam_scale"] == pytest.approx(1 / 3)
+    assert len(lines) == 1 and "--offload.speculative_step" in lines[0] and "0.33x" in lines[0], lines
+
+
 def test_micro_batch_candidates_and_accumulation_steps():
     import types
 

@@ -31,7 +31,8 @@ from flame.models.blocks import find_block_list
 from flame.offload.measure.timer import seconds_per_call
 from flame.offload.planner.cost_model import unit_times
 from flame.offload.planner.plan import Plan
-from flame.offload.planner.refit import CALIBRATED_PLAN, TOLERANCE, compare, cpu_adam_scale, refit, same_decisions
+from flame.offload.planner.refit import (CALIBRATED_PLAN, TOLERANCE, compare, cpu_adam_scale, refit, same_decisions,
+                                        without_speculation)
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +94,8 @@ class StepCalibrator:
         rep.update({f"host_{k}_s": v / (self.last - self.FIRST + 1) for k, v in sorted(host.items())})
         rep["refit_cpu_adam_scale"] = cpu_scale
         rep["replanned"] = new is not None and not same_decisions(new, self.plan)
+        if self.plan.speculative_step:
+            rep["predicted_step_without_speculation_s"] = without_speculation(self.plan, self.costs, self.prof)
         peak_txt = f"{peak / GiB:.2f} GiB" if peak is not None else "n/a (no GPU)"
         logger.info("offload calibration (steps %d-%d of this launch): step predicted %.4g s, measured %.4g s (%+.0f%%); "
                     "peak GPU predicted %.2f GiB, measured %s", self.FIRST, self.last, rep["predicted_step_s"], measured,
@@ -110,6 +113,12 @@ class StepCalibrator:
                         new.predicted["step_s"], self.path)
         elif new is not None:
             logger.info("offload calibration: re-solved with compute scale %.3g: the same plan", fudge)
+        plain_s = rep.get("predicted_step_without_speculation_s")
+        if plain_s is not None and plain_s < measured * (1 - TOLERANCE):
+            logger.info("offload calibration: with --offload.speculative_step the CPU AdamW ran at %.2fx the "
+                        "profiled rate beside the backward; without it this plan is predicted at %.4g s a step "
+                        "against the %.4g s measured: on this host the run is likely faster without the flag",
+                        cpu_scale, plain_s, measured)
         return rep
 
 

@@ -57,6 +57,15 @@ def predict_again(plan: Plan, costs, prof, fudge: float):
                    plan.outer_gpu_acc, world=plan.world, node_ranks=plan.node_ranks, speculative=plan.speculative_step)
 
 
+def without_speculation(plan: Plan, costs, prof) -> float:
+    """The step the same plan is predicted to take without the speculative step: its CPU AdamW
+    after the backward at the profile's rate, with the plan's compute scale. The calibration sets
+    it beside a speculative plan's measured step: speculation pays only where the CPU AdamW keeps
+    its rate while the backward runs beside it."""
+    return predict_again(dataclasses.replace(plan, speculative_step=False), costs, prof,
+                         plan.predicted.get("compute_fudge", 1.0)).step_s
+
+
 def refit(plan: Plan, costs, prof, measured_step_s: float, overrides=None,
           depths=(1, 2, 3), cpu_rate_scale: float = 1.0) -> tuple[float, Plan | None]:
     """(refit compute scale, new plan or None when the step is within tolerance).
