@@ -136,6 +136,12 @@ COMPILED_VARIANTS = (
      ("--offload.checkpoint_offload", "--offload.speculative_step", *NOCLIP)),
     ("_speculative_noclip", "the same without clipping (--training.max_norm 0): the speed of steps that do not clip, "
      "which keep their speculative update", ("--offload.speculative_step", *NOCLIP)),
+    # fewer CPU AdamW threads than the default (cores - 1): whether the speculative step's AdamW
+    # slows beside the backward for want of cores or of host memory bandwidth
+    *((f"_checkpoint_offload_speculative_noclip_t{n}", f"the same with --offload.checkpoint_offload and "
+       f"--offload.speculative_step, without clipping, {n} CPU AdamW threads (--offload.cpu_threads {n})",
+       ("--offload.checkpoint_offload", "--offload.speculative_step", *NOCLIP, "--offload.cpu_threads", str(n)))
+      for n in (12, 8)),
 )
 
 

@@ -4,6 +4,7 @@ the parameters of flame's configs (the same model on both sides); the parsers of
 the lines the trainers write."""
 
 import os
+import re
 import sys
 
 import pytest
@@ -51,8 +52,10 @@ def test_flame_rows_parse_with_flames_config_manager(rows, tmp_path):
         assert cfg.offload.enable == "on" and cfg.offload.gpu_memory_gib == bench.SHAPES[r.shape].cap_gib
         assert cfg.training.compile == ("_compile" in r.name)
         assert cfg.offload.speculative_step == ("_speculative" in r.name)
-        assert cfg.training.max_norm == (0.0 if r.name.endswith("_noclip") else 1.0)
+        assert cfg.training.max_norm == (0.0 if "_noclip" in r.name else 1.0)
         assert cfg.offload.checkpoint_offload == ("_checkpoint_offload" in r.name)
+        threads = re.search(r"_t(\d+)$", r.name)
+        assert cfg.offload.cpu_threads == (int(threads.group(1)) if threads else 0)
 
 
 @pytest.mark.parametrize("shape", ["3B", "8B"])
