@@ -57,6 +57,11 @@ class Row:
     target_ratio: float | None = None
     # a row whose dump is drawn with this one's by ``python -m flame.plot`` next to the result JSON
     plot_with: str | None = None
+    # rows naming the same seed start from the same weights: a checkpoint of initial weights made
+    # once a call by a plain run of the first of them (``--checkpoint.create_seed_checkpoint``),
+    # loaded by each (``--checkpoint.initial_load_path``). From one seed value a resident run
+    # draws its weights on the GPU and an offloaded one (masters in host memory) on the CPU.
+    seed: str = ""
 
 
 def _cfg(name: str) -> str:
@@ -97,6 +102,8 @@ def softpick_paper(config: str, steps: int, compile_: bool = True) -> list[str]:
 
 # the TOML's schedule (1024 warmup steps of 10000): torchtitan shrinks a warmup longer than the
 # run to the run's steps, so a row of a few steps sets the schedule's length to run its first steps
+# the initial weights config_transformer_1B and its offloaded twin both start from (Row.seed)
+PAIR_SEED = "transformer_1B"
 TOML_TOTAL_STEPS = ("--lr_scheduler.total_steps", "10000")
 TOML_SCHEDULE = ("--lr_scheduler.warmup_steps", "1024", *TOML_TOTAL_STEPS)
 
@@ -188,7 +195,8 @@ def all_rows(steps: int, muon_steps: int | None = None) -> list[Row]:
         what = f"{name}, {batch} x 2048{', full AC' if extra else ''}, {'compile' if compile_ else 'eager'}"
         if torch_path:
             what += " (FLA's torch path with flame's chunked scans: mamba_ssm/causal_conv1d absent)"
-        rows.append(Row(f"config_{name}", "configs", what, args, steps, 540 if family in FLA_KERNEL_FAMILIES else 300))
+        rows.append(Row(f"config_{name}", "configs", what, args, steps, 540 if family in FLA_KERNEL_FAMILIES else 300,
+                        seed=PAIR_SEED if name == "transformer_1B" else ""))
     # SFT against pretraining at the same model and batch shape (tokens/s over all positions, and trained ones)
     sft_data = ",".join(os.path.join(SFT_SAMPLE, f"{n}.jsonl") for n in ("chat", "alpaca", "sharegpt"))
     varlen = ("--activation_checkpoint.mode", "full", "--training.varlen", "--training.context_len", "2048")
@@ -208,13 +216,14 @@ def all_rows(steps: int, muon_steps: int | None = None) -> list[Row]:
                         config_run(_cfg(name), steps, 2, 2048, ("--offload.enable", "auto",
                                                                  "--activation_checkpoint.mode", "full"), lr="3e-4",
                                    schedule=TOML_SCHEDULE), steps, 540 if name.startswith("gla") else 420))
-    # the offload engine against the resident run at a real size: the same command, losses side by side
+    # the offload engine against the resident run at a real size: the same command from the same
+    # initial weights, losses side by side
     rows.append(Row("config_transformer_1B_offload", "offload", "transformer_1B, 4 x 2048, full AC, compile, "
                     "--offload.enable on --offload.gpu_memory_gib 12 (the loss curve of config_transformer_1B)",
                     config_run(_cfg("transformer_1B"), steps, 4, 2048,
                                ("--activation_checkpoint.mode", "full", "--offload.enable", "on",
                                 "--offload.gpu_memory_gib", "12")), steps, 420,
-                    reference="config_transformer_1B", plot_with="config_transformer_1B"))
+                    reference="config_transformer_1B", plot_with="config_transformer_1B", seed=PAIR_SEED))
     return rows
 
 
@@ -357,6 +366,55 @@ def gpu_slots(parallel: int) -> tuple[list, int]:
     return [ids[i % len(ids)] for i in range(parallel)], -(-parallel // len(ids))
 
 
+_seed_lock = threading.Lock()
+
+
+def without_offload(args: list[str]) -> list[str]:
+    """A command's arguments less its ``--offload.*`` options (and their values)."""
+    out, skip = [], False
+    for a in args:
+        if skip and not a.startswith("--"):
+            skip = False
+            continue
+        skip = a.startswith("--offload.")
+        if not skip:
+            out.append(a)
+    return out
+
+
+def seed_args(row: Row, folder: str) -> list[str]:
+    """The command that writes ``row``'s seed into ``folder``: the row's, less offload, making only
+    the step-0 checkpoint."""
+    args = [a for a in without_offload(row.args) if a != "--checkpoint.no-enable-checkpoint"]
+    return [*args, "--offload.enable", "off", "--checkpoint.enable_checkpoint", "--checkpoint.create_seed_checkpoint",
+            "--job.dump_folder", folder]
+
+
+def seed_checkpoint(row: Row, runs: str, env: dict, cap_s: float, exit_wait_s: float) -> tuple[str, str | None]:
+    """(the step-0 folder of ``row.seed``, None), made on first use this call by the row's command
+    without offload and with ``--checkpoint.create_seed_checkpoint`` within ``cap_s``; or ("", why
+    it failed)."""
+    folder = os.path.join(runs, f"seed_{row.seed}")
+    step0 = os.path.join(folder, "checkpoint", "step-0")
+    with _seed_lock:
+        if not os.path.isdir(step0):
+            shutil.rmtree(folder, ignore_errors=True)
+            os.makedirs(folder)
+            cmd = ["bash", os.path.join(ROOT, "train.sh"), *seed_args(row, folder)]
+            rc, _, _ = run_in_group(cmd, env, os.path.join(folder, "console.log"), cap_s, exit_wait_s=exit_wait_s)
+            if rc != 0 or not os.path.isdir(step0):
+                return "", f"seed checkpoint {row.seed}: exit {rc} (see {folder}/console.log)"
+    return step0, None
+
+
+def seeded(args: list[str], step0: str) -> list[str]:
+    """A row's arguments that start from the seed at ``step0`` (checkpoints on to load it; the
+    last step saves the model only)."""
+    return [a for a in args if a != "--checkpoint.no-enable-checkpoint"] + [
+        "--checkpoint.enable_checkpoint", "--checkpoint.initial_load_path", step0,
+        "--checkpoint.interval", "1000000", "--checkpoint.last_save_model_only"]
+
+
 def run_row(row: Row, runs: str, cap_s: float, gpu: str | None = None, exit_wait_s: float = GROUP_EXIT_WAIT_S) -> dict:
     dump = os.path.join(runs, row.name)
     shutil.rmtree(dump, ignore_errors=True)
@@ -370,11 +428,18 @@ def run_row(row: Row, runs: str, cap_s: float, gpu: str | None = None, exit_wait
         with open(path, "w") as f:
             json.dump(cfg, f, indent=1)
         args = _with_config(args, path)
-    args += ["--job.dump_folder", dump]
-    cmd = ["bash", os.path.join(ROOT, "train.sh"), *args]
     env = dict(os.environ, TORCH_LOGS="recompiles", PYTHON=sys.executable, PYTHONUNBUFFERED="1", **row.env)
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = gpu
+    if row.seed:  # made within the row's cap, which keeps what is left
+        t = time.perf_counter()
+        step0, problem = seed_checkpoint(row, runs, env, cap_s, exit_wait_s)
+        if problem:
+            return {"row": row.name, "group": row.group, "what": row.what, "exit": problem}
+        cap_s -= time.perf_counter() - t
+        args = seeded(args, step0)
+    args += ["--job.dump_folder", dump]
+    cmd = ["bash", os.path.join(ROOT, "train.sh"), *args]
     log_path = os.path.join(dump, "console.log")
     metrics = os.path.join(dump, "metrics.jsonl")
     rc, wall, first_step_s = run_in_group(cmd, env, log_path, cap_s, lambda: bool(records(metrics)), exit_wait_s)
@@ -399,6 +464,9 @@ def run_row(row: Row, runs: str, cap_s: float, gpu: str | None = None, exit_wait
         "loss_curve": [[r.get("step"), r["loss"]] for r in recs],
         "dump": dump,
         "command": "bash train.sh " + " ".join(args),
+        # the command that made the seed checkpoint the row started from (Row.seed)
+        "seed_command": "bash train.sh " + " ".join(seed_args(row, os.path.join(runs, f"seed_{row.seed}")))
+        if row.seed else None,
         "config_edit": row.config_edit,
     }
     if rc != 0:

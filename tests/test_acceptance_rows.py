@@ -154,3 +154,41 @@ def test_a_killed_group_is_waited_for_no_longer_than_asked(tmp_path):
     rc, wall, _ = acceptance.run_in_group(["sh", "-c", "sleep 60 & sleep 60"], dict(os.environ),
                                           str(tmp_path / "log"), cap_s=1.0, exit_wait_s=2.0)
     assert rc == "timeout" and wall < 5 and time.perf_counter() - t < 8
+
+
+def test_the_seeded_pair_shares_one_seed_and_its_commands_parse(tmp_path):
+    """config_transformer_1B and its offloaded twin name one seed; the seed's command (the row's
+    without offload, making the step-0 checkpoint only) and each seeded row parse."""
+    pair = [ROWS["config_transformer_1B"], ROWS["config_transformer_1B_offload"]]
+    assert {r.seed for r in pair} == {acceptance.PAIR_SEED} and sum(bool(r.seed) for r in ROWS.values()) == 2
+    folder = str(tmp_path / "seed")
+    seed = FlameConfigManager().parse_args(acceptance.seed_args(pair[1], folder))
+    assert seed.checkpoint.create_seed_checkpoint and seed.checkpoint.enable_checkpoint
+    assert seed.offload.enable == "off" and seed.job.dump_folder == folder
+    for r in pair:
+        args = acceptance.seeded(list(r.args), "/x/step-0") + ["--job.dump_folder", str(tmp_path / r.name)]
+        cfg = FlameConfigManager().parse_args(args)
+        assert cfg.checkpoint.initial_load_path == "/x/step-0" and cfg.checkpoint.last_save_model_only
+        assert (cfg.offload.enable == "on") == r.name.endswith("_offload")
+
+
+@pytest.mark.slow
+def test_rows_naming_one_seed_start_from_its_weights(tmp_path):
+    """Two tiny CPU rows, plain and offloaded, naming one seed: the seed is made once, both load
+    it, and their losses agree (the engine computing in float32 like the plain job)."""
+    from tests.trainer.helpers import tiny_job
+    from tests.trainer.test_offload_training import OFFLOAD
+
+    base = tiny_job(str(tmp_path / "unused"), "--training.steps", "3", "--checkpoint.no-enable-checkpoint")
+    plain = acceptance.Row("tiny_plain", "t", "tiny", base, 3, 240, seed="tiny")
+    off = acceptance.Row("tiny_offload", "t", "tiny", base + [*OFFLOAD, "--offload.compute_dtype", "float32"], 3, 240,
+                         seed="tiny")
+    runs = str(tmp_path / "runs")
+    results = [acceptance.run_row(r, runs, 240) for r in (off, plain)]  # the offloaded row makes the seed
+    assert [r["exit"] for r in results] == [0, 0], results
+    step0 = os.path.join(runs, "seed_tiny", "checkpoint", "step-0")
+    for r in results:
+        with open(os.path.join(r["dump"], "console.log")) as f:
+            assert f"Loading the checkpoint from {step0}" in f.read()
+    curves = [[loss for _, loss in r["loss_curve"]] for r in results]
+    assert len(curves[0]) == 3 and curves[0] == pytest.approx(curves[1], rel=1e-5, abs=1e-5)

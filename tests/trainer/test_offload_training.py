@@ -178,3 +178,24 @@ def test_recomputed_inputs_on_the_host_through_the_trainer(six_steps, tmp_path):
     run_job(1, host, "--training.steps", "6", *COMMON, "--offload.enable", "on", "--offload.profile", PROFILE,
             "--offload.overrides", "weights[*]=host,activations[*]=recompute_host")
     assert losses(host) == losses(off)
+
+
+def test_an_offloaded_run_starts_from_a_seed_checkpoint_like_a_plain_one(tmp_path):
+    """`--checkpoint.initial_load_path` of a seed checkpoint made from a 10x larger init: the
+    offloaded run trains from those weights (not its own init), as the plain run does, so an
+    offloaded and a resident run can be compared from the same weights."""
+    from tests.trainer.helpers import TINY_LLAMA
+
+    wide = tmp_path / "wide_init.json"
+    wide.write_text(json.dumps(dict(json.load(open(TINY_LLAMA)), initializer_range=0.2)))
+    seed = str(tmp_path / "seed")
+    run_job(1, seed, "--checkpoint.create_seed_checkpoint", config=str(wide))
+    common = ["--training.steps", "3", *COMMON, "--checkpoint.interval", "100",
+              "--checkpoint.initial_load_path", os.path.join(seed, "checkpoint", "step-0")]
+    plain, off, own = (str(tmp_path / n) for n in ("plain", "off", "own"))
+    run_job(1, plain, *common)
+    fp32 = ["--offload.compute_dtype", "float32"]  # the plain tiny job computes in float32
+    run_job(1, off, *common, *OFFLOAD, *fp32)
+    run_job(1, own, "--training.steps", "3", *COMMON, *OFFLOAD, *fp32)
+    assert losses(off) == pytest.approx(losses(plain), rel=1e-5, abs=1e-5), (losses(plain), losses(off))
+    assert abs(losses(off)[0] - losses(own)[0]) > 1e-2  # the seed's weights, not the run's own init
