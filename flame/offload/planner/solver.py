@@ -17,12 +17,13 @@ GPU budget, more GPU memory never predicts a slower step.
 from __future__ import annotations
 
 import math
+import dataclasses
 from dataclasses import asdict
 
 from flame.errors import ConfigError
 from flame.offload.planner.block_costs import ModelCosts
-from flame.offload.planner.cost_model import (Dtypes, Prediction, activation_memory, combine_memory, duplex_shares,
-                                              offload_bytes, predict, state_memory, unit_times)
+from flame.offload.planner.cost_model import (DTYPE_BYTES, Dtypes, Prediction, activation_memory, combine_memory,
+                                              duplex_shares, offload_bytes, predict, state_memory, unit_times)
 from flame.offload.planner.hardware import HardwareProfile
 from flame.offload.planner.plan import Plan
 
@@ -109,6 +110,22 @@ def _apply(layer_modes, layer_acts, ov):
     for i, a in ov["fixed"]["act"].items():
         layer_acts[i] = a
     return layer_modes, layer_acts
+
+
+def _bf16_states_hint(costs, prof, dt: Dtypes, gpu_budget: int, host_budget: int, *rest) -> str:
+    """For a plan the host cannot hold: whether optimizer state in bf16 (master, moments, grads:
+    half the bytes) would fit, as the options to pass; "" when they are bf16 already or would not
+    fit either."""
+    wide = [name for name in ("master", "moment", "grad") if DTYPE_BYTES[getattr(dt, name)] > 2]
+    if not wide:
+        return ""
+    narrow = dataclasses.replace(dt, **{name: "bfloat16" for name in wide})
+    try:
+        plan = solve(costs, prof, narrow, gpu_budget, host_budget, *rest)
+    except ConfigError:
+        return ""
+    options = " ".join(f"--offload.{name}_dtype bfloat16" for name in wide)
+    return f"; with bf16 optimizer state ({options}) it plans {plan.predicted['peak_host_bytes'] / GiB:.1f} GiB"
 
 
 def solve(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, gpu_budget: int, host_budget: int,
@@ -208,7 +225,11 @@ def solve(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, gpu_budget: int,
         if min_gpu is None or min_gpu > gpu_budget:
             raise ConfigError(f"offload: needs {min_gpu / GiB:.1f} GiB GPU, budget {gpu_budget / GiB:.1f} "
                               f"(every block streamed and recomputed)")
-        raise ConfigError(f"offload: needs {min_host / GiB:.1f} GiB host, budget {host_budget / GiB:.1f}")
+        raise ConfigError(f"offload: needs {min_host / GiB:.1f} GiB host, budget {host_budget / GiB:.1f}"
+                          + _bf16_states_hint(costs, prof, dt, gpu_budget, host_budget, micro_batch, rounds,
+                                              cpu_threads, depths, overrides, allow_offload, fudge, world, node_ranks,
+                                              offload_activations, selective_recompute, speculative_step,
+                                              checkpoint_offload))
     plan = best[1]
     plan.binding = _binding(plan, prof)
     plan.predicted["compute_fudge"] = fudge  # what the calibration refits from
