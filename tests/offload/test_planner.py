@@ -255,21 +255,25 @@ def test_infeasible_says_what_is_missing(costs):
 
 def test_a_host_too_small_for_fp32_states_names_the_bf16_options_that_fit(costs):
     """Nothing fits the host with float32 master, moments and grads, a plan with bf16 ones does:
-    the error says so, with the options and the host bytes that plan needs."""
-    fp32 = solve(costs, prof(), Dtypes(), 3 * GiB, 64 * GiB, 2, 1, 15, overrides=["weights[*]=host"])
-    bf16 = solve(costs, prof(), Dtypes(master="bfloat16", moment="bfloat16", grad="bfloat16"), 3 * GiB, 64 * GiB,
-                 2, 1, 15, overrides=["weights[*]=host"])
-    budget = (fp32.predicted["peak_host_bytes"] + bf16.predicted["peak_host_bytes"]) // 2
-    assert bf16.predicted["peak_host_bytes"] < budget < fp32.predicted["peak_host_bytes"]
+    the error says so, with the options and the host bytes of the plan they give."""
+    from flame.offload.planner.solver import solve_micro_batches
+
+    bf16 = Dtypes(master="bfloat16", moment="bfloat16", grad="bfloat16")
+
+    def plan(dt, host):
+        return solve_micro_batches({2: costs}, 2, prof(), dt, 3 * GiB, host, 15, overrides=["weights[*]=host"])[0]
+
+    fp32_need = plan(Dtypes(), 64 * GiB).predicted["peak_host_bytes"]
+    bf16_need = plan(bf16, 64 * GiB).predicted["peak_host_bytes"]
+    budget = (fp32_need + bf16_need) // 2
+    assert bf16_need < budget < fp32_need
     with pytest.raises(ConfigError) as e:
-        solve(costs, prof(), Dtypes(), 3 * GiB, budget, 2, 1, 15, overrides=["weights[*]=host"])
+        plan(Dtypes(), budget)
     msg = str(e.value)
     assert "--offload.master_dtype bfloat16 --offload.moment_dtype bfloat16 --offload.grad_dtype bfloat16" in msg
-    assert msg.endswith(f"it plans {bf16.predicted['peak_host_bytes'] / GiB:.1f} GiB")
+    assert msg.endswith(f"it plans {plan(bf16, budget).predicted['peak_host_bytes'] / GiB:.1f} GiB")
     with pytest.raises(ConfigError, match=r"budget [\d.]+$"):  # bf16 already: nothing to suggest
-        solve(costs, prof(), Dtypes(master="bfloat16", moment="bfloat16", grad="bfloat16"), 3 * GiB,
-              bf16.predicted["peak_host_bytes"] // 2, 2, 1, 15, overrides=["weights[*]=host"])
-
+        plan(bf16, bf16_need // 2)
 
 def test_plan_file_and_profile_roundtrip(costs, tmp_path):
     plan = solve(costs, prof(), Dtypes(), 3 * GiB, 64 * GiB, 2, 1, 15)

@@ -16,8 +16,8 @@ GPU budget, more GPU memory never predicts a slower step.
 
 from __future__ import annotations
 
-import math
 import dataclasses
+import math
 from dataclasses import asdict
 
 from flame.errors import ConfigError
@@ -112,20 +112,8 @@ def _apply(layer_modes, layer_acts, ov):
     return layer_modes, layer_acts
 
 
-def _bf16_states_hint(costs, prof, dt: Dtypes, gpu_budget: int, host_budget: int, *rest) -> str:
-    """For a plan the host cannot hold: whether optimizer state in bf16 (master, moments, grads:
-    half the bytes) would fit, as the options to pass; "" when they are bf16 already or would not
-    fit either."""
-    wide = [name for name in ("master", "moment", "grad") if DTYPE_BYTES[getattr(dt, name)] > 2]
-    if not wide:
-        return ""
-    narrow = dataclasses.replace(dt, **{name: "bfloat16" for name in wide})
-    try:
-        plan = solve(costs, prof, narrow, gpu_budget, host_budget, *rest)
-    except ConfigError:
-        return ""
-    options = " ".join(f"--offload.{name}_dtype bfloat16" for name in wide)
-    return f"; with bf16 optimizer state ({options}) it plans {plan.predicted['peak_host_bytes'] / GiB:.1f} GiB"
+class HostShortfall(ConfigError):
+    """No plan fits the host budget (the GPU budget would hold one)."""
 
 
 def solve(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, gpu_budget: int, host_budget: int,
@@ -225,11 +213,7 @@ def solve(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, gpu_budget: int,
         if min_gpu is None or min_gpu > gpu_budget:
             raise ConfigError(f"offload: needs {min_gpu / GiB:.1f} GiB GPU, budget {gpu_budget / GiB:.1f} "
                               f"(every block streamed and recomputed)")
-        raise ConfigError(f"offload: needs {min_host / GiB:.1f} GiB host, budget {host_budget / GiB:.1f}"
-                          + _bf16_states_hint(costs, prof, dt, gpu_budget, host_budget, micro_batch, rounds,
-                                              cpu_threads, depths, overrides, allow_offload, fudge, world, node_ranks,
-                                              offload_activations, selective_recompute, speculative_step,
-                                              checkpoint_offload))
+        raise HostShortfall(f"offload: needs {min_host / GiB:.1f} GiB host, budget {host_budget / GiB:.1f}")
     plan = best[1]
     plan.binding = _binding(plan, prof)
     plan.predicted["compute_fudge"] = fudge  # what the calibration refits from
@@ -244,7 +228,9 @@ def solve_micro_batches(costs_of: dict[int, ModelCosts], step_sequences: int, pr
     so every candidate runs the same tokens per step. `fudges`: each candidate's compute scale
     (measure.calibration.measure_block_fudges; a candidate missing from it is left out), else `fudge` for
     all. A minimum over plans that each only get faster with more GPU memory, so the monotonicity
-    of `solve` holds. Raises the smallest candidate's "needs ..." error when none fits."""
+    of `solve` holds. Raises the smallest candidate's "needs ..." error when none fits; when the
+    host is what is short and bf16 optimizer state (master, moments, grads: half the bytes) would
+    fit, the error names those options and the host bytes of the plan they give."""
     if fudges is not None and not fudges:
         raise ConfigError(f"offload: one block at micro-batch {min(costs_of)} does not fit in GPU memory "
                           "(its forward+backward ran out of memory when timed)")
@@ -262,6 +248,17 @@ def solve_micro_batches(costs_of: dict[int, ModelCosts], step_sequences: int, pr
         if best is None or plan.predicted["step_s"] < best.predicted["step_s"] - 1e-12:
             best, best_costs = plan, costs_of[mb]
     if best is None:
+        wide = [name for name in ("master", "moment", "grad") if DTYPE_BYTES[getattr(dt, name)] > 2]
+        if isinstance(missing, HostShortfall) and wide:
+            narrow = dataclasses.replace(dt, **{name: "bfloat16" for name in wide})
+            try:
+                plan, _ = solve_micro_batches(costs_of, step_sequences, prof, narrow, gpu_budget, host_budget,
+                                              cpu_threads, fudges, **kw)
+            except ConfigError:
+                raise missing from None
+            options = " ".join(f"--offload.{name}_dtype bfloat16" for name in wide)
+            raise HostShortfall(f"{missing}; with bf16 optimizer state ({options}) it plans "
+                                f"{plan.predicted['peak_host_bytes'] / GiB:.1f} GiB") from None
         raise missing
     return best, best_costs
 
