@@ -358,8 +358,11 @@ def apply_offload(model, job_config, parallel_dims, device, planned: tuple | Non
     check_parallel_dims(parallel_dims)
     if any(p.device.type == "meta" for p in model.parameters()):
         raise ConfigError("offload: the model must be materialized (init on CPU) before apply_offload")
-    plan, costs, prof = planned if planned is not None else build_plan(model, job_config, device, world)
-    plan = agree_on_plan(plan)
+    if planned is None:
+        plan, costs, prof = build_plan(model, job_config, device, world)
+        plan = agree_on_plan(plan)
+    else:  # agreed on by the ranks when it was made
+        plan, costs, prof = planned
     text = describe(plan, costs) if costs is not None else f"replayed plan {off.plan}: {plan.predicted}"
     if off.enable == "auto" and not plan.offloads:
         logger.info("offload: everything fits, plain run\n%s", text)
