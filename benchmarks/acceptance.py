@@ -382,19 +382,27 @@ def without_offload(args: list[str]) -> list[str]:
     return out
 
 
+def checkpoints_on(args: list[str]) -> list[str]:
+    """A row's arguments with checkpoints enabled (the rows turn them off)."""
+    return [a for a in args if a != "--checkpoint.no-enable-checkpoint"] + ["--checkpoint.enable_checkpoint"]
+
+
+def seed_folder(runs: str, row: Row) -> str:
+    return os.path.join(runs, f"seed_{row.seed}")
+
+
 def seed_args(row: Row, folder: str) -> list[str]:
     """The command that writes ``row``'s seed into ``folder``: the row's, less offload, making only
     the step-0 checkpoint."""
-    args = [a for a in without_offload(row.args) if a != "--checkpoint.no-enable-checkpoint"]
-    return [*args, "--offload.enable", "off", "--checkpoint.enable_checkpoint", "--checkpoint.create_seed_checkpoint",
-            "--job.dump_folder", folder]
+    return [*checkpoints_on(without_offload(row.args)), "--offload.enable", "off",
+            "--checkpoint.create_seed_checkpoint", "--job.dump_folder", folder]
 
 
 def seed_checkpoint(row: Row, runs: str, env: dict, cap_s: float, exit_wait_s: float) -> tuple[str, str | None]:
     """(the step-0 folder of ``row.seed``, None), made on first use this call by the row's command
     without offload and with ``--checkpoint.create_seed_checkpoint`` within ``cap_s``; or ("", why
     it failed)."""
-    folder = os.path.join(runs, f"seed_{row.seed}")
+    folder = seed_folder(runs, row)
     step0 = os.path.join(folder, "checkpoint", "step-0")
     with _seed_lock:
         if not os.path.isdir(step0):
@@ -410,9 +418,8 @@ def seed_checkpoint(row: Row, runs: str, env: dict, cap_s: float, exit_wait_s: f
 def seeded(args: list[str], step0: str) -> list[str]:
     """A row's arguments that start from the seed at ``step0`` (checkpoints on to load it; the
     last step saves the model only)."""
-    return [a for a in args if a != "--checkpoint.no-enable-checkpoint"] + [
-        "--checkpoint.enable_checkpoint", "--checkpoint.initial_load_path", step0,
-        "--checkpoint.interval", "1000000", "--checkpoint.last_save_model_only"]
+    return checkpoints_on(args) + ["--checkpoint.initial_load_path", step0, "--checkpoint.interval", "1000000",
+                                   "--checkpoint.last_save_model_only"]
 
 
 def run_row(row: Row, runs: str, cap_s: float, gpu: str | None = None, exit_wait_s: float = GROUP_EXIT_WAIT_S) -> dict:
@@ -465,8 +472,7 @@ def run_row(row: Row, runs: str, cap_s: float, gpu: str | None = None, exit_wait
         "dump": dump,
         "command": "bash train.sh " + " ".join(args),
         # the command that made the seed checkpoint the row started from (Row.seed)
-        "seed_command": "bash train.sh " + " ".join(seed_args(row, os.path.join(runs, f"seed_{row.seed}")))
-        if row.seed else None,
+        "seed_command": "bash train.sh " + " ".join(seed_args(row, seed_folder(runs, row))) if row.seed else None,
         "config_edit": row.config_edit,
     }
     if rc != 0:
