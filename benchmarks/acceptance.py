@@ -40,6 +40,7 @@ CORPUS = os.path.join(ROOT, "flame/assets/sample_corpus")
 SFT_SAMPLE = os.path.join(ROOT, "flame/assets/sft_sample")
 # a killed row's processes can take minutes to exit while their pinned host memory is released
 GROUP_EXIT_WAIT_S = 120.0
+STACK_DUMP_WAIT_S = 3.0
 
 
 @dataclass
@@ -318,6 +319,10 @@ def run_in_group(cmd: list[str], env: dict, log_path: str, cap_s: float, started
             if first is None and started is not None and started():
                 first = time.perf_counter() - start
             if rc is None and time.perf_counter() - start > cap_s:
+                # flame's workers print their threads' stacks on SIGUSR1 (the launcher ignores it):
+                # where a row that ran out of time was
+                os.killpg(proc.pid, signal.SIGUSR1)
+                time.sleep(STACK_DUMP_WAIT_S)
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
                 rc = "timeout"
@@ -479,7 +484,19 @@ def run_row(row: Row, runs: str, cap_s: float, gpu: str | None = None, exit_wait
         lines = [l for l in console.splitlines() if l.strip()]
         errs = [l for l in lines if "flame: error" in l or "Error" in l or "error:" in l]
         out["error_tail"] = "\n".join((errs[-6:] if errs else []) + lines[-25:])[-4000:]
+        if rc == "timeout":
+            out["stacks_at_timeout"] = dumped_stacks(console)
     return out
+
+
+def dumped_stacks(console: str, limit: int = 12000) -> str | None:
+    """The thread stacks a row's workers printed when it was stopped at its cap (faulthandler's
+    dump, from its first "Thread 0x..." line; the first `limit` characters), or None."""
+    at = re.search(r"^.*(Current thread|Thread) 0x[0-9a-f]+ \(most recent call first\):", console, re.M)
+    if at is None:
+        return None
+    text = console[at.start():]
+    return text if len(text) <= limit else text[:limit] + "\n..."
 
 
 def versions() -> dict:

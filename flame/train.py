@@ -6,6 +6,7 @@ normalized by that count, clip, step (or skip on NaN/Inf), log.
 """
 
 import contextlib
+import faulthandler
 import json
 import math
 import os
@@ -577,6 +578,8 @@ def main(argv: list[str] | None = None) -> int:
     signal N (after saving), 1 internal error (traceback)."""
     init_logger()
     die_with_launcher()
+    # `kill -USR1` prints every thread's Python stack to stderr and the run goes on
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     stop = StopRequest().install()
     trainer = cfg = lock = None
     code = 0

@@ -156,6 +156,17 @@ def test_a_killed_group_is_waited_for_no_longer_than_asked(tmp_path):
     assert rc == "timeout" and wall < 5 and time.perf_counter() - t < 8
 
 
+def test_a_row_stopped_at_its_cap_reports_where_its_threads_were():
+    """The stacks that faulthandler printed before the kill are the row's `stacks_at_timeout`,
+    whatever prefix the launcher put on each line; a log without them gives None."""
+    log = ("[rank0]: step 1\n[rank0]:Thread 0x00007f01 (most recent call first):\n"
+           '[rank0]:  File "a.py", line 3 in wait\n[rank0]:Current thread 0x00007f02 (most recent call first):\n')
+    stacks = acceptance.dumped_stacks(log)
+    assert stacks.startswith("[rank0]:Thread 0x00007f01") and "a.py" in stacks and "step 1" not in stacks
+    assert acceptance.dumped_stacks("[rank0]: step 1\n") is None
+    assert acceptance.dumped_stacks(log, limit=20).endswith("...")
+
+
 def test_the_seeded_pair_shares_one_seed_and_its_commands_parse(tmp_path):
     """config_transformer_1B and its offloaded twin name one seed; the seed's command (the row's
     without offload, making the step-0 checkpoint only) and each seeded row parse."""

@@ -121,6 +121,8 @@ def test_launcher_lock_side_by_side_and_kill9(tmp_path):
         while not os.path.exists(os.path.join(a, "metrics.jsonl")):
             assert job_a.poll() is None and time.time() < deadline, job_a.communicate()[1][-3000:]
             time.sleep(0.5)
+        # SIGUSR1 to the whole job: the workers print their stacks, and nothing stops
+        os.killpg(job_a.pid, signal.SIGUSR1)
         job_c = _train_sh(c, "--training.steps", "3")  # its own dump folder and port, next to a
         job_b = _train_sh(a, "--training.steps", "3")  # same dump folder: refused
         _, err_b = job_b.communicate(timeout=240)
@@ -131,6 +133,8 @@ def test_launcher_lock_side_by_side_and_kill9(tmp_path):
         assert len(losses(c)) == 3 and job_a.poll() is None
     finally:
         os.killpg(job_a.pid, signal.SIGKILL)
+    out_a, err_a = job_a.communicate(timeout=30)
+    assert "(most recent call first):" in out_a + err_a, (out_a + err_a)[-3000:]
     deadline = time.time() + 10
     while _processes_mentioning(a) and time.time() < deadline:
         time.sleep(0.2)
