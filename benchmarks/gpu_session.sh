@@ -10,6 +10,7 @@
 set -uo pipefail
 tag=$1; tests=${2:-}; accept=${3:-}; offload=${4:-}
 out=${OUT:-/tmp/out}; mkdir -p "$out"
+started=$(mktemp)  # logs written after this are this call's
 pipi() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$@"; }
 pipi /tmp/site .whl/*.whl || exit 1
 # tilelang arrives over two calls (.whl-tl, then .whl-z3): it goes to its own folder, which joins the
@@ -50,4 +51,8 @@ if [ -n "$accept" ]; then
 fi
 [ -n "$test_pid" ] && wait $test_pid
 [ -n "$offload_pid" ] && wait $offload_pid
+# every row's console log (the harness keeps only their tails): where a slow or failed row spent its time
+for d in /tmp/flame_acceptance/*/ /tmp/flame_offload_bench/*/; do
+  [ "$d/console.log" -nt "$started" ] && { mkdir -p "$out/logs_$tag"; tail -c 2000000 "$d/console.log" > "$out/logs_$tag/$(basename "$d").log"; }
+done
 true

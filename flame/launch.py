@@ -12,8 +12,8 @@ as the job) and wraps torchrun:
   so ``kill -9`` of the launcher leaves nothing running;
 - SIGTERM/SIGINT go to the workers, which finish the step, save and exit; a second one ends
   the job at once;
-- SIGUSR1 is ignored here and by torchrun, so ``kill -USR1 -<process group>`` reaches only the
-  workers, which print every thread's stack (a job that hangs shows where) and go on;
+- SIGUSR1 goes to the workers, which print every thread's stack to their log (a job that
+  hangs shows where) and go on;
 - the console gets the workers' output and, when the job fails, one line saying why (the
   worker's ``flame: error: ...``) instead of torchrun's failure report; every log stays under
   ``DUMP/logs``.
@@ -134,6 +134,14 @@ class Job:
         if not workers:
             self.proc.send_signal(signum)
 
+    def on_stack_request(self, signum, frame):
+        # the workers (torchrun's children, each in a session of its own) print their stacks
+        for pid in _children(self.proc.pid) if self.proc is not None else []:
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+
     # -- the run ---------------------------------------------------------------------------
     def run(self, cmd: list[str], log_dir: str) -> int:
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=self.env,
@@ -230,8 +238,7 @@ def main(argv: list[str]) -> int:
     job = Job(args, python, env)
     for s in (signal.SIGTERM, signal.SIGINT):
         signal.signal(s, job.on_signal)
-    # ignored signals stay ignored across exec: torchrun inherits this, the workers replace it
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    signal.signal(signal.SIGUSR1, job.on_stack_request)
 
     # parse and check the whole config once, before any process is spawned
     resolve = subprocess.Popen([python, "-m", "flame.utils.dump_folder", *args], env=env,

@@ -55,4 +55,11 @@ def init_process_group(comm_config, dump_folder: str) -> int:
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-    return dist_utils.init_distributed(comm_config, base_folder=dump_folder)
+    world = dist_utils.init_distributed(comm_config, base_folder=dump_folder)
+    if torch.cuda.is_available() and "nccl" in str(torch.distributed.get_backend()):
+        # NCCL creates its communicator, with device buffers outside torch's allocator, on the first
+        # collective: have that happen now, so those bytes are in use when the GPU cap and the
+        # offload planner measure what lies outside the allocator (lazily, after a plan that
+        # fills the GPU, it fails for want of memory)
+        torch.distributed.barrier(device_ids=[torch.cuda.current_device()])
+    return world

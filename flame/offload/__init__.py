@@ -6,8 +6,10 @@ the model to train and its optimizers, with the engine or without it, as one `Tr
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -21,6 +23,14 @@ from flame.offload.runtime.collectives import multi_rank
 logger = logging.getLogger(__name__)
 
 __all__ = ["Offload", "TrainingParts", "build_plan", "maybe_offload"]
+
+
+@contextlib.contextmanager
+def _phase(what: str):
+    """Log how long a setup phase took (the time before the first step is mostly these)."""
+    t0 = time.perf_counter()
+    yield
+    logger.info("offload: %s took %.1f s", what, time.perf_counter() - t0)
 
 
 def _get(obj, path, default):
@@ -78,7 +88,8 @@ def build_plan(model, job_config, device, world: int = 1, threads_from_profile: 
         from flame.offload.gpu_cap import applied_gpu_cap
 
         cap = applied_gpu_cap(device)
-        prof = measure(shapes, max_bytes=cap.allocator_bytes if cap is not None and cap.allocator_bytes else None)
+        with _phase("measuring the hardware profile"):
+            prof = measure(shapes, max_bytes=cap.allocator_bytes if cap is not None and cap.allocator_bytes else None)
         if _rank() == 0:
             save(prof, path)  # one writer: every rank measures, rank 0 caches
         logger.info("offload: hardware profile measured and cached at %s", path)
@@ -113,7 +124,8 @@ def build_plan(model, job_config, device, world: int = 1, threads_from_profile: 
         # FLOP-based compute times (compiled, when the run compiles its blocks); the outer (head
         # and loss) is timed as it is
         backend = _get(job_config, "compile.backend", "inductor") if _get(job_config, "compile.enable", False) else None
-        timed = measure_block_fudges(model.config, costs_of, prof, seq, cdt, lora=lora, compile_backend=backend)
+        with _phase(f"timing one block at micro-batches {sorted(costs_of)}" + (" (compiled)" if backend else "")):
+            timed = measure_block_fudges(model.config, costs_of, prof, seq, cdt, lora=lora, compile_backend=backend)
         fudges = use_block_calibration(costs_of, timed)
     # the micro-batch: the fastest plan over the candidates (every one runs the step's tokens)
     plan, costs = solve_micro_batches(costs_of, accum * local, prof, dt, gpu, host, threads, fudges=fudges,
@@ -313,8 +325,9 @@ def maybe_offload(model: nn.Module, parallel_dims, job_config, device: torch.dev
 
         refuse_offloaded_muon(job_config)  # offload.enable auto chose to offload
         # the master copy lives in host memory; the engine moves each block where the plan says
-        model.to_empty(device="cpu")
-        init_fn(model)
+        with _phase("initializing the weights in host memory"):
+            model.to_empty(device="cpu")
+            init_fn(model)
         offloaded = apply_offload(model, job_config, parallel_dims, device, planned)
     if offloaded is None:
         if device.type == "cpu":
@@ -374,15 +387,16 @@ def apply_offload(model, job_config, parallel_dims, device, planned: tuple | Non
 
     no_decay_ids = {id(p) for g in param_groups(model, 1.0, list(_get(job_config, "optimizer.no_weight_decay", [])))
                     if g["weight_decay"] == 0.0 for p in g["params"]}
-    engine = OffloadEngine(
-        model, plan, torch.device(device),
-        no_decay={n for n, p in model.named_parameters(remove_duplicate=False) if id(p) in no_decay_ids},
-        lr=float(_get(job_config, "optimizer.lr", 1e-3)),
-        betas=(float(_get(job_config, "optimizer.beta1", 0.9)), float(_get(job_config, "optimizer.beta2", 0.95))),
-        eps=float(_get(job_config, "optimizer.eps", 1e-8)),
-        weight_decay=float(_get(job_config, "optimizer.weight_decay", 0.1)),
-        description=text,
-    )
+    with _phase("building the engine (host buffers pinned, blocks placed)"):
+        engine = OffloadEngine(
+            model, plan, torch.device(device),
+            no_decay={n for n, p in model.named_parameters(remove_duplicate=False) if id(p) in no_decay_ids},
+            lr=float(_get(job_config, "optimizer.lr", 1e-3)),
+            betas=(float(_get(job_config, "optimizer.beta1", 0.9)), float(_get(job_config, "optimizer.beta2", 0.95))),
+            eps=float(_get(job_config, "optimizer.eps", 1e-8)),
+            weight_decay=float(_get(job_config, "optimizer.weight_decay", 0.1)),
+            description=text,
+        )
     logger.info("%s", text)
     calibrator = None
     if off.calibrate and costs is not None:
