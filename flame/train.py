@@ -573,13 +573,24 @@ def _lock_dump_folder(dump_folder: str) -> int | None:
     return fd
 
 
+def _print_stacks_on_sigusr1() -> None:
+    """`kill -USR1` prints every thread's Python stack to stderr and the run goes on (where a job
+    hangs). faulthandler writes to a file descriptor: a replaced sys.stderr (a test's capture) may
+    have none, and the process's own stderr is used instead."""
+    for stream in (sys.stderr, sys.__stderr__):
+        try:
+            faulthandler.register(signal.SIGUSR1, file=stream, all_threads=True)
+            return
+        except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation: no fileno
+            continue
+
+
 def main(argv: list[str] | None = None) -> int:
     """Exit codes: 0 done, 2 user error (one ``flame: error:`` line), 3 NaN/Inf, 128 + N stopped by
     signal N (after saving), 1 internal error (traceback)."""
     init_logger()
     die_with_launcher()
-    # `kill -USR1` prints every thread's Python stack to stderr and the run goes on
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    _print_stacks_on_sigusr1()
     stop = StopRequest().install()
     trainer = cfg = lock = None
     code = 0
