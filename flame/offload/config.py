@@ -23,11 +23,13 @@ class Offload:
     gpu_memory_gib: float = 0.0
     """GPU memory budget per GPU in GiB: the whole process on the device (CUDA context and driver
     memory plus torch's reserved bytes); the trainer caps torch's allocator to fit it (see
-    `flame.offload.gpu_cap`). 0 = device total minus `gpu_margin_gib`, no allocator cap."""
+    `flame.offload.gpu_cap`). 0 = device total minus the driver memory outside torch's allocator
+    (CUDA context, NCCL) and `gpu_margin_gib`, no allocator cap."""
 
     gpu_margin_gib: float = 2.0
-    """Margin kept free on the GPU (CUDA context, NCCL buffers, allocator fragmentation) when
-    `gpu_memory_gib` is 0."""
+    """Margin kept free on the GPU when `gpu_memory_gib` is 0, beyond the driver memory measured at
+    start-up (CUDA context, NCCL's communicator): allocator fragmentation and what libraries load
+    later."""
 
     host_memory_gib: float = 0.0
     """Host RAM budget per node in GiB. 0 = cgroup limit / Slurm allocation / MemAvailable,

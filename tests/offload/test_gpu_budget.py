@@ -31,9 +31,12 @@ def test_a_cap_above_the_device_is_the_device():
     assert b.allocator_bytes == 80 * GiB - GiB - budgets.OUTSIDE_ALLOCATOR_GROWTH_BYTES
 
 
-def test_no_cap_is_the_device_minus_the_margin_and_caps_nothing():
+def test_no_cap_is_the_device_minus_the_driver_memory_and_the_margin_and_caps_nothing():
+    """The driver memory measured outside the allocator (the CUDA context, NCCL's communicator) is
+    not the plan's: a plan that took it filled the GPU and NCCL ran out of memory."""
     b = gpu_budget(0.0, 2.0, 80 * GiB, context_bytes=GiB)
-    assert (b.plan_bytes, b.allocator_bytes) == (78 * GiB, 0)
+    assert (b.plan_bytes, b.allocator_bytes, b.outside_allocator_bytes) == (77 * GiB, 0, GiB)
+    assert gpu_budget(0.0, 2.0, 80 * GiB, context_bytes=None).plan_bytes == 78 * GiB
 
 
 def test_without_a_gpu_the_plan_is_the_whole_cap():

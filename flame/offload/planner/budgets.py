@@ -47,13 +47,15 @@ class GpuBudget:
 
 def gpu_budget(gpu_memory_gib: float, margin_gib: float, device_total: int,
                context_bytes: int | None) -> GpuBudget:
-    """The split of `offload.gpu_memory_gib` (0: the device total minus `margin_gib`, which is
-    the headroom then, and no allocator cap). `context_bytes`: driver memory outside the
-    allocator measured at start-up; None when the plan runs on no GPU (CPU tests of the engine:
-    nothing but the plan is counted)."""
+    """The split of `offload.gpu_memory_gib` (0: the device total less the driver memory measured
+    outside the allocator and `margin_gib`, the headroom then; no allocator cap). `context_bytes`:
+    driver memory outside the allocator measured at start-up (the CUDA context, NCCL's
+    communicator); None when the plan runs on no GPU (CPU tests of the engine: nothing but the
+    plan is counted)."""
     if gpu_memory_gib <= 0:
-        plan = max(0, int(device_total - margin_gib * GiB))
-        return GpuBudget(cap_bytes=plan, outside_allocator_bytes=0, allocator_bytes=0, plan_bytes=plan)
+        cap = max(0, int(device_total - margin_gib * GiB))
+        outside = min(cap, context_bytes or 0)
+        return GpuBudget(cap_bytes=cap, outside_allocator_bytes=outside, allocator_bytes=0, plan_bytes=cap - outside)
     cap = int(gpu_memory_gib * GiB)
     if context_bytes is None:
         return GpuBudget(cap_bytes=cap, outside_allocator_bytes=0, allocator_bytes=0, plan_bytes=cap)
