@@ -7,4 +7,6 @@
 # (ranks whose output reaches the console; default 0), PYTHON. The launcher is flame/launch.py.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-exec "${PYTHON:-python}" "$here/flame/launch.py" "$@"
+py="${PYTHON:-python}"
+command -v "$py" > /dev/null 2>&1 || { echo "flame: error: PYTHON=$py: no such executable (PYTHON names the Python that has flame installed)" >&2; exit 2; }
+exec "$py" "$here/flame/launch.py" "$@"

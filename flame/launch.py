@@ -226,7 +226,39 @@ def _shutdown_timeout_args() -> list[str]:
     return ["--shutdown_timeout", os.environ.get("FLAME_SHUTDOWN_TIMEOUT", "120")] if supported else []
 
 
+def environment_error(environ) -> str | None:
+    """The first launcher environment variable a user set to a value torchrun cannot take, as one
+    ``flame: error:`` line; None when all are usable."""
+    def positive(name, least):
+        v = environ.get(name)
+        if v is not None and v != "" and not (v.isdigit() and int(v) >= least):
+            return f"flame: error: {name}={v!r}: expected a whole number >= {least}"
+        return None
+
+    for name, least in (("NGPU", 1), ("NNODE", 1), ("NODE_RANK", 0), ("MASTER_PORT", 1)):
+        problem = positive(name, least)
+        if problem:
+            return problem
+    port = environ.get("MASTER_PORT")
+    if port and int(port) > 65535:
+        return f"flame: error: MASTER_PORT={port!r}: a port is at most 65535"
+    nnode, node_rank = environ.get("NNODE") or "1", environ.get("NODE_RANK") or "0"
+    if int(node_rank) >= int(nnode):
+        return f"flame: error: NODE_RANK={node_rank!r}: must be below NNODE={nnode}"
+    ranks = environ.get("LOG_RANK")
+    if ranks and not all(r.strip().isdigit() for r in ranks.split(",")):
+        return f"flame: error: LOG_RANK={ranks!r}: expected rank numbers separated by commas, e.g. 0 or 0,1"
+    python = environ.get("PYTHON")
+    if python and not shutil.which(python):
+        return f"flame: error: PYTHON={python!r}: no such executable"
+    return None
+
+
 def main(argv: list[str]) -> int:
+    problem = environment_error(os.environ)
+    if problem:
+        print(problem, file=sys.stderr)
+        return 2
     python = os.environ.get("PYTHON") or sys.executable
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)

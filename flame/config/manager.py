@@ -239,7 +239,8 @@ class FlameConfigManager(ConfigManager):
         if path is None:
             return None
         if not os.path.isfile(path):
-            raise ConfigError(f"job.config_file {path!r}: no such file")
+            raise ConfigError(f"job.config_file {path!r}: " + ("a folder, not a TOML file" if os.path.isdir(path)
+                                                                else "no such file"))
         try:
             with open(path, "rb") as f:
                 data = tomllib.load(f)
@@ -401,6 +402,8 @@ def validate(cfg) -> None:
         raise ConfigError("model.config is required: path to a model JSON config")
     if not os.path.exists(cfg.model.config):
         raise ConfigError(f"model.config {cfg.model.config!r}: no such file")
+    if os.path.exists(cfg.job.dump_folder) and not os.path.isdir(cfg.job.dump_folder):
+        raise ConfigError(f"job.dump_folder {cfg.job.dump_folder!r}: a file, not a folder")
     if t.local_batch_size < 1:
         raise ConfigError(f"training.batch_size {t.local_batch_size}: must be >= 1")
     if t.seq_len < 2:
@@ -408,9 +411,11 @@ def validate(cfg) -> None:
     if t.gradient_accumulation_steps < 1:
         raise ConfigError(f"training.gradient_accumulation_steps {t.gradient_accumulation_steps}: must be >= 1")
     if t.varlen and not 1 <= t.context_len <= t.seq_len:
-        raise ConfigError(f"training.context_len {t.context_len}: must be in [1, training.seq_len={t.seq_len}] with varlen")
-    if t.steps < 0:
-        raise ConfigError(f"training.steps {t.steps}: must be >= 0")
+        raise ConfigError(f"training.context_len {t.context_len}: must be in [1, training.seq_len={t.seq_len}] with varlen "
+                          "(set --training.context_len)")
+    if t.steps < 1:
+        raise ConfigError(f"training.steps {t.steps}: must be >= 1 (an untrained model: "
+                          "--checkpoint.create_seed_checkpoint writes its step-0 checkpoint)")
     if t.loss_chunk_tokens < -1:
         raise ConfigError(f"training.loss_chunk_tokens {t.loss_chunk_tokens}: must be >= -1 (-1: auto, 0: off)")
     if t.loss_chunk_tokens > 0 and cfg.parallelism.tensor_parallel_degree > 1:

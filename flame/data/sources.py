@@ -46,6 +46,13 @@ def _expand(pattern: str, what: str) -> list[str]:
     return files
 
 
+def looks_like_a_local_path(name: str) -> bool:
+    """A name that cannot be a Hugging Face hub id ("name" or "org/name"): it starts like a path,
+    has more than one "/", or ends in a file extension."""
+    return (name.startswith((".", "/", "~")) or name.count("/") > 1
+            or os.path.splitext(name)[1].lower() in (".json", ".jsonl", ".parquet", ".txt", ".csv", ".arrow", ".gz"))
+
+
 def _first_line(e: BaseException) -> str:
     return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
@@ -108,7 +115,7 @@ def open_hf(spec: SourceSpec, split: str, streaming: bool, role: str, bad_docume
         builder, files = files
     if builder is not None:
         path, kwargs["data_files"], split = builder, files, "train"
-    elif path.startswith((".", "/", "~")) and not os.path.exists(path):
+    elif looks_like_a_local_path(path) and not os.path.exists(path):
         raise ConfigError(f"training.dataset: {path!r} does not exist")
     if path == "text":
         kwargs["sample_by"] = "document"  # one document per .txt file

@@ -1,7 +1,7 @@
 """The resource calculator, run as `python -m flame.offload.plan --job.config_file X.toml [--section.key value ...]`: measures the model's per-block costs on the meta device (no memory),
 loads the hardware profile, solves, prints the plan with predicted step time, tokens/s, MFU,
 peak GPU/host/pinned bytes and the binding constraint. Needs no GPU. Exits 2 with one line
-("offload: needs 31.2 GiB host, budget 24.0") when nothing fits, before allocating anything.
+("offload: needs 31.2 GiB host, budget 24.0 GiB ...") when nothing fits, before allocating anything.
 
 Takes the trainer's command line (the same parser: TOML + CLI, flame's aliases such as
 ``training.batch_size``, unknown keys rejected) and plans as the trainer would

@@ -143,6 +143,9 @@ def test_bad_sources_name_the_value(tmp_path, tok):
     not_json.write_text('{"text": "a document"}\nthis line is not JSON\n')
     cases = [
         (dict(dataset="./does/not/exist"), "does/not/exist"),
+        # relative paths that cannot be hub ids: said missing, not looked up on the hub
+        (dict(dataset="data/sft/nope.jsonl"), "'data/sft/nope.jsonl' does not exist"),
+        (dict(dataset="nope.parquet"), "'nope.parquet' does not exist"),
         (dict(dataset=str(tmp_path / "*.parquet")), "matches no file"),
         (dict(dataset=nocol), "text_column"),
         (dict(dataset=nocol, text_column="nope"), "'nope'"),
@@ -152,7 +155,7 @@ def test_bad_sources_name_the_value(tmp_path, tok):
     for kw, needle in cases:
         with pytest.raises(ConfigError, match=needle):
             build(tok, **kw)
-    with pytest.raises(ConfigError, match="model.tokenizer_path"):
+    with pytest.raises(ConfigError, match="model.tokenizer_path: .*nope': no such folder"):
         build_tokenizer(SimpleNamespace(model=SimpleNamespace(tokenizer_path=str(tmp_path / "nope"))))
     with pytest.raises(Exception, match="empty"):
         build(tok, dataset=str(empty))

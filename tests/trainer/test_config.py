@@ -103,6 +103,22 @@ def test_bad_toml(tmp_path):
         FlameConfigManager().parse_args(["--job.config_file", str(broken), "--model.config", CONFIG])
     with pytest.raises(ConfigError, match="no such file"):
         FlameConfigManager().parse_args(["--job.config_file", str(tmp_path / "missing.toml")])
+    with pytest.raises(ConfigError, match="a folder, not a TOML file"):
+        FlameConfigManager().parse_args(["--job.config_file", str(tmp_path)])
+
+
+def test_bad_values_each_name_themselves(tmp_path):
+    """A dump folder that is a file, no training steps, a varlen context longer than the sequence."""
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    cases = [(["--job.dump_folder", str(a_file)], "a file, not a folder"),
+             (["--training.steps", "0"], "training.steps 0: must be >= 1"),
+             (["--training.varlen", "--training.seq_len", "16", "--training.context_len", "32"],
+              "set --training.context_len")]
+    for extra, says in cases:
+        with pytest.raises(ConfigError, match=says):
+            FlameConfigManager().parse_args(["--model.config", CONFIG, "--job.dump_folder", str(tmp_path / "run"),
+                                             *extra])
 
 
 def test_cli_canonical_key_beats_toml_alias():

@@ -151,6 +151,25 @@ def test_launcher_user_error_in_worker_is_one_line(tmp_path):
     assert "ChildFailedError" not in out + err
 
 
+@pytest.mark.parametrize("name,value,says", [
+    ("NGPU", "abc", "expected a whole number >= 1"), ("NGPU", "0", "expected a whole number >= 1"),
+    ("NNODE", "two", "expected a whole number >= 1"), ("MASTER_PORT", "abc", "expected a whole number >= 1"),
+    ("MASTER_PORT", "70000", "at most 65535"), ("NODE_RANK", "1", "must be below NNODE=1"),
+    ("LOG_RANK", "x", "rank numbers separated by commas"), ("PYTHON", "/no/such/python", "no such executable"),
+])
+def test_a_bad_launcher_variable_is_one_line_before_anything_starts(tmp_path, name, value, says):
+    """train.sh's environment (NGPU, NNODE, NODE_RANK, MASTER_PORT, LOG_RANK, PYTHON): a value torchrun
+    or the shell cannot take is one `flame: error:` line naming it, exit 2, and no dump folder."""
+    env = dict(os.environ, PYTHONPATH=PYTHONPATH, PYTHON=sys.executable)
+    env[name] = value
+    dump = tmp_path / "run"
+    job = subprocess.run(["bash", TRAIN_SH, "--job.dump_folder", str(dump)], capture_output=True, text=True,
+                         env=env, timeout=120)
+    assert job.returncode == 2, (job.stdout[-2000:], job.stderr)
+    assert job.stderr.startswith(f"flame: error: {name}=") and says in job.stderr, job.stderr
+    assert len(job.stderr.splitlines()) == 1 and not dump.exists()
+
+
 def test_full_disk_during_a_save_is_one_line(tmp_path, run_main, monkeypatch):
     import errno
 

@@ -211,9 +211,10 @@ def solve(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, gpu_budget: int,
                             break  # more accumulators only need more
     if best is None:
         if min_gpu is None or min_gpu > gpu_budget:
-            raise ConfigError(f"offload: needs {min_gpu / GiB:.1f} GiB GPU, budget {gpu_budget / GiB:.1f} "
-                              f"(every block streamed and recomputed)")
-        raise HostShortfall(f"offload: needs {min_host / GiB:.1f} GiB host, budget {host_budget / GiB:.1f}")
+            raise ConfigError(f"offload: needs {min_gpu / GiB:.1f} GiB GPU, budget {gpu_budget / GiB:.1f} GiB "
+                              f"(every block streamed and recomputed; --offload.gpu_memory_gib)")
+        raise HostShortfall(f"offload: needs {min_host / GiB:.1f} GiB host, budget {host_budget / GiB:.1f} GiB "
+                            "(--offload.host_memory_gib; 0: the memory available now less --offload.host_margin_gib)")
     plan = best[1]
     plan.binding = _binding(plan, prof)
     plan.predicted["compute_fudge"] = fudge  # what the calibration refits from
