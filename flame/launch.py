@@ -226,6 +226,20 @@ def _shutdown_timeout_args() -> list[str]:
     return ["--shutdown_timeout", os.environ.get("FLAME_SHUTDOWN_TIMEOUT", "120")] if supported else []
 
 
+def _remove_orphaned_outcome_dirs(parent: str) -> None:
+    """The outcome folders of launchers that are gone (killed with -9: nothing removed them)."""
+    for path in glob.glob(os.path.join(parent, "flame-outcome-*-*")):
+        pid = os.path.basename(path).split("-")[2]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except PermissionError:  # another user's live launcher
+            pass
+
+
 def environment_error(environ) -> str | None:
     """The first launcher environment variable a user set to a value torchrun cannot take, as one
     ``flame: error:`` line; None when all are usable."""
@@ -321,7 +335,8 @@ def main(argv: list[str]) -> int:
         return 2
 
     shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None  # RAM: a full disk cannot hide the outcome
-    outcome_dir = tempfile.mkdtemp(prefix="flame-outcome-", dir=shm)
+    _remove_orphaned_outcome_dirs(shm or tempfile.gettempdir())
+    outcome_dir = tempfile.mkdtemp(prefix=f"flame-outcome-{os.getpid()}-", dir=shm)
     env.update(FLAME_OUTCOME_DIR=outcome_dir, FLAME_LAUNCHER_PID=str(os.getpid()))
     if nnode == "1" and not port:
         rdzv_args, rdzv = ["--standalone"], "a free local port (torchrun --standalone)"

@@ -113,7 +113,7 @@ def install_chunked_scans() -> list[str]:
         setattr(cls, name, _chunked(current, sequence_forward))
         installed.append(cls.__name__)
     if installed:
-        logger.info("%s: mamba_ssm absent; flame's chunked torch scans (flame/models/ssm_scan.py)",
+        logger.debug("%s: mamba_ssm absent; flame's chunked torch scans (flame/models/ssm_scan.py)",
                     "/".join(installed))
     return installed
 

@@ -243,7 +243,7 @@ def test_install_is_idempotent_logs_once_and_leaves_the_fast_path_alone(cpu_fall
     try:
         uninstall_chunked_scans()
         assert not hasattr(mamba.Mamba.slow_forward, MARK)
-        with caplog.at_level(logging.INFO, logger='flame.models.fla_mamba'):
+        with caplog.at_level(logging.DEBUG, logger='flame.models.fla_mamba'):
             assert install_chunked_scans() == ['Mamba', 'Mamba2']
             assert install_chunked_scans() == []
         assert [r.getMessage() for r in caplog.records] == [

@@ -151,6 +151,24 @@ def test_launcher_user_error_in_worker_is_one_line(tmp_path):
     assert "ChildFailedError" not in out + err
 
 
+def test_outcome_folders_of_launchers_that_are_gone_are_removed(tmp_path):
+    """A launcher killed with -9 leaves its outcome folder (in /dev/shm); the next launch removes the
+    folders whose launcher is gone and keeps those of live ones."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("flame_launch", os.path.join(ROOT, "flame", "launch.py"))
+    launch = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(launch)
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    dead = tmp_path / f"flame-outcome-{gone.pid}-abc"
+    live = tmp_path / f"flame-outcome-{os.getpid()}-def"
+    for d in (dead, live):
+        d.mkdir()
+    launch._remove_orphaned_outcome_dirs(str(tmp_path))
+    assert not dead.exists() and live.exists()
+
+
 @pytest.mark.parametrize("name,value,says", [
     ("NGPU", "abc", "expected a whole number >= 1"), ("NGPU", "0", "expected a whole number >= 1"),
     ("NNODE", "two", "expected a whole number >= 1"), ("MASTER_PORT", "abc", "expected a whole number >= 1"),
