@@ -152,7 +152,7 @@ class MetricsLogger:
             f"lr {lr:.3e}",
             f"tok/s {tps_global:,.0f} ({tps_local:,.0f}/dev)",
             *([f"trained tok/s {trained_tps:,.0f}"] if trained_tps is not None else []),
-            f"tflops {tflops:.1f}",
+            f"tflops {tflops:.1f}" if tflops >= 1 else f"tflops {tflops:.2g}",  # a CPU run's small rates
         ]
         if "mfu_pct" in record:
             parts.append(f"mfu {record['mfu_pct']:.1f}%")
