@@ -319,8 +319,8 @@ def run_in_group(cmd: list[str], env: dict, log_path: str, cap_s: float, started
             if first is None and started is not None and started():
                 first = time.perf_counter() - start
             if rc is None and time.perf_counter() - start > cap_s:
-                # flame's workers print their threads' stacks on SIGUSR1 (the launcher ignores it):
-                # where a row that ran out of time was
+                # flame's launcher forwards SIGUSR1 to its workers, which print their threads'
+                # stacks: where a row that ran out of time was
                 os.killpg(proc.pid, signal.SIGUSR1)
                 time.sleep(STACK_DUMP_WAIT_S)
                 os.killpg(proc.pid, signal.SIGKILL)

@@ -125,22 +125,23 @@ class Job:
             return
         self.signum = signum
         # straight to the workers: torchrun would SIGKILL them after its shutdown timeout
+        if not self._signal_workers(signum):
+            self.proc.send_signal(signum)
+
+    def on_stack_request(self, signum, frame):
+        # the workers print their stacks (each is in a session of its own: a group signal misses them)
+        if self.proc is not None:
+            self._signal_workers(signum)
+
+    def _signal_workers(self, signum) -> list[int]:
+        """Send `signum` to torchrun's children (the workers); returns their PIDs."""
         workers = _children(self.proc.pid)
         for pid in workers:
             try:
                 os.kill(pid, signum)
             except ProcessLookupError:
                 pass
-        if not workers:
-            self.proc.send_signal(signum)
-
-    def on_stack_request(self, signum, frame):
-        # the workers (torchrun's children, each in a session of its own) print their stacks
-        for pid in _children(self.proc.pid) if self.proc is not None else []:
-            try:
-                os.kill(pid, signum)
-            except ProcessLookupError:
-                pass
+        return workers
 
     # -- the run ---------------------------------------------------------------------------
     def run(self, cmd: list[str], log_dir: str) -> int:
@@ -243,14 +244,14 @@ def _remove_orphaned_outcome_dirs(parent: str) -> None:
 def environment_error(environ) -> str | None:
     """The first launcher environment variable a user set to a value torchrun cannot take, as one
     ``flame: error:`` line; None when all are usable."""
-    def positive(name, least):
+    def whole_number_error(name, least):
         v = environ.get(name)
         if v is not None and v != "" and not (v.isdigit() and int(v) >= least):
             return f"flame: error: {name}={v!r}: expected a whole number >= {least}"
         return None
 
     for name, least in (("NGPU", 1), ("NNODE", 1), ("NODE_RANK", 0), ("MASTER_PORT", 1)):
-        problem = positive(name, least)
+        problem = whole_number_error(name, least)
         if problem:
             return problem
     port = environ.get("MASTER_PORT")
