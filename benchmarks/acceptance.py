@@ -339,6 +339,15 @@ def row_time(cap_s: float, left_s: float) -> tuple[float, float]:
     return cap, max(5.0, min(GROUP_EXIT_WAIT_S, left_s - cap - 5.0))
 
 
+def cut_by_budget(res: dict, cap_s: float, given_s: float) -> dict:
+    """A row stopped because the call's budget ended before its own cap is not a verdict on the
+    row: it is recorded as not run (the status table keeps the row's earlier result), with what
+    it reached."""
+    if res.get("exit") == "timeout" and given_s < cap_s:
+        res = dict(res, exit="not run", reason=f"the call's budget ended it after {given_s:.0f} s of its {cap_s:.0f} s cap")
+    return res
+
+
 def _wait_for_group_exit(pgid: int, limit_s: float) -> None:
     """Wait until no process of group ``pgid`` is left: a killed worker can take minutes to exit
     while its pinned host memory is released, and the next row must not start beside it."""
@@ -710,7 +719,7 @@ def main() -> int:
         try:
             print(f"== {row.name} (GPU {gpu}): {row.what}", flush=True)
             cap, exit_wait = row_time(row.cap_s, left)
-            res = run_row(row, a.runs, cap, gpu, exit_wait)
+            res = cut_by_budget(run_row(row, a.runs, cap, gpu, exit_wait), row.cap_s, cap)
         finally:
             free.put(gpu)
         res["rows_sharing_gpu"] = shared
@@ -729,12 +738,14 @@ def main() -> int:
                 json.dump(doc, f, indent=1)
 
     if a.parallel > 1:
-        # where several rows share a GPU (their tokens/s are not a speed measurement), a row that
-        # fails there runs again alone, so a failure in the table is the row's own
+        # each row is written as it ends (a call stopped early keeps the rows that finished); where
+        # several rows share a GPU (their tokens/s are not a speed measurement), a row that fails
+        # there runs again alone, so a failure in the table is the row's own
         with concurrent.futures.ThreadPoolExecutor(a.parallel) as pool:
-            done = list(zip(chosen, pool.map(lambda r: run_one(r, sharing), chosen)))
-        for row, res in done:
-            record(row, res)
+            futures = {pool.submit(run_one, r, sharing): r for r in chosen}
+            for fut in concurrent.futures.as_completed(futures):
+                record(futures[fut], fut.result())
+            done = [(r, f.result()) for f, r in futures.items()]
         for row, res in done:
             if res is not None and res["exit"] != 0 and res["rows_sharing_gpu"] > 1:
                 record(row, run_one(row, 1) or res)

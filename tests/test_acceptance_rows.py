@@ -135,6 +135,17 @@ def test_status_takes_each_rows_latest_run_over_result_files(tmp_path):
     assert "never run" in lines["paper_vanilla"]
 
 
+def test_a_row_cut_by_the_calls_budget_is_not_run_and_one_at_its_own_cap_timed_out():
+    """A timeout under a cap shortened by the call's budget says nothing of the row (recorded as
+    not run, which the status table passes over); one at the row's own cap is a failure."""
+    timed_out = {"row": "r", "exit": "timeout", "wall_s": 200.0, "steps_logged": 0}
+    cut = acceptance.cut_by_budget(timed_out, 540, 200)
+    assert cut["exit"] == "not run" and "200 s of its 540 s cap" in cut["reason"] and cut["wall_s"] == 200.0
+    assert acceptance.cut_by_budget(timed_out, 540, 540)["exit"] == "timeout"
+    assert acceptance.cut_by_budget({"row": "r", "exit": 0}, 540, 200)["exit"] == 0
+    assert acceptance.cut_by_budget({"row": "r", "exit": 1}, 540, 200)["exit"] == 1
+
+
 @pytest.mark.parametrize("cap_s,left_s", [(540, 425), (300, 1000), (540, 70), (600, 600)])
 def test_a_row_and_its_exit_wait_end_within_the_calls_budget(cap_s, left_s):
     """A row killed at its cap still returns (and its result is written) before the budget ends:
