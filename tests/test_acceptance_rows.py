@@ -142,6 +142,7 @@ def test_a_row_cut_by_the_calls_budget_is_not_run_and_one_at_its_own_cap_timed_o
     cut = acceptance.cut_by_budget(timed_out, 540, 200)
     assert cut["exit"] == "not run" and "200 s of its 540 s cap" in cut["reason"] and cut["wall_s"] == 200.0
     assert acceptance.cut_by_budget(timed_out, 540, 540)["exit"] == "timeout"
+    assert acceptance.cut_by_budget(timed_out, 540, 539.99)["exit"] == "timeout"
     assert acceptance.cut_by_budget({"row": "r", "exit": 0}, 540, 200)["exit"] == 0
     assert acceptance.cut_by_budget({"row": "r", "exit": 1}, 540, 200)["exit"] == 1
 

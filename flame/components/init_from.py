@@ -29,7 +29,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torchtitan.tools.logging import logger
 
 from flame.errors import ConfigError
-from flame.lora.layer import clean_name, is_adapter_key
+from flame.lora.layer import is_adapter_key
+from flame.models.blocks import clean_name
 
 OPTION = "model.init_from"
 _PICKLES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")

@@ -25,10 +25,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from flame.errors import ConfigError
+from flame.models.blocks import clean_name
 
 ADAPTER_SUFFIXES = (".lora_A", ".lora_B")
-# wrapper modules inserted by activation checkpointing and torch.compile (not part of the model's names)
-_WRAPPER_PARTS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
 
 
 class LoRALinear(nn.Linear):
@@ -53,11 +52,6 @@ class LoRALinear(nn.Linear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, rank={self.rank}, alpha={self.alpha}"
-
-
-def clean_name(name: str) -> str:
-    """A module/parameter name without the AC/compile/FSDP wrapper parts (the state-dict key)."""
-    return ".".join(p for p in name.split(".") if p not in _WRAPPER_PARTS)
 
 
 def is_adapter_key(key: str) -> bool:

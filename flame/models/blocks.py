@@ -10,6 +10,15 @@ unless the model's package named its block class with ``flame.models.register_bl
 
 from torch import nn
 
+# wrapper modules inserted by activation checkpointing, torch.compile and FSDP: not part of a
+# parameter's state-dict name (torch.distributed.checkpoint's get_model_state_dict drops them too)
+WRAPPER_PARTS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
+
+
+def clean_name(name: str) -> str:
+    """A module/parameter name without the wrapper parts: its state-dict key."""
+    return ".".join(p for p in name.split(".") if p not in WRAPPER_PARTS)
+
 
 def _largest_block_list(model: nn.Module, max_classes: int) -> tuple[str, nn.Module, str, nn.ModuleList]:
     """(parent name, parent, attribute, blocks) of the ``nn.ModuleList`` with the most parameters

@@ -738,3 +738,36 @@ def test_input_saving_checkpoint_gives_grads_to_every_tensor_argument():
         h2, r2 = h.detach().clone().requires_grad_(), r.detach().clone().requires_grad_()
         block(h2, r2, scale=2.0).sum().backward()
         assert torch.equal(h.grad, h2.grad) and torch.equal(r.grad, r2.grad), as_kw
+
+
+def test_state_dict_names_are_a_plain_runs_with_blocks_checkpointed_and_compiled():
+    """Blocks wrapped by activation checkpointing and torch.compile (as the trainer wraps them):
+    the engine saves and loads its weights and AdamW state under the names of the unwrapped model,
+    those torch's get_model_state_dict gives a plain run, so seed and resume checkpoints cross
+    between plain and offloaded runs; no_decay names given with the wrappers still apply."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    ref = tiny(seed=9)
+    model = copy.deepcopy(ref)
+    for i, block in enumerate(model.model.layers):
+        model.model.layers[i] = torch.compile(checkpoint_wrapper(block), backend="eager")
+    wrapped_norms = {n for n, _ in model.named_parameters() if "norm" in n}
+    assert any("_orig_mod._checkpoint_wrapped_module" in n for n in wrapped_norms)
+    plain_names = set(get_model_state_dict(ref).keys())
+    p = plan(["gpu", "host_opt", "stream", "stream"], ["keep"] * 4, "host_opt")
+    eng = OffloadEngine(model, p, torch.device("cpu"), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+                        no_decay=wrapped_norms)
+    assert set(eng.model_state_keys()) == set(eng.model_state_dict()) == plain_names
+    assert plain_names == set(get_model_state_dict(model).keys())
+    opt = eng.optimizer_state_dict()
+    assert {k.split(".", 1)[1].rsplit(".", 1)[0] for k in opt if k.startswith("param_groups.")} == \
+        {n for n, p in ref.named_parameters() if p.requires_grad}
+    decays = {k[len("param_groups."):-len(".weight_decay")]: v for k, v in opt.items() if k.endswith(".weight_decay")}
+    assert {n for n, v in decays.items() if v == 0.0} == {n for n in plain_names if "norm" in n}
+    # a plain model's state loads into the engine under those names
+    other = tiny(seed=10).state_dict()
+    eng.load_model_state_dict({k: v for k, v in other.items() if k in plain_names})
+    for k, v in eng.model_state_dict().items():
+        torch.testing.assert_close(v, other[k])
+    eng.close()

@@ -43,7 +43,7 @@ import torch
 import torch.nn as nn
 
 from flame.errors import ConfigError
-from flame.models.blocks import find_blocks
+from flame.models.blocks import clean_name, find_blocks
 from flame.offload.planner.cost_model import ACT_MODES
 from flame.offload.planner.plan import Plan
 from flame.offload.runtime.activations import HostActivations
@@ -99,9 +99,11 @@ class OffloadEngine:
                               if bad is not None else f"offload.plan: {len(plan.layer_acts)} activation modes, "
                               f"model has {len(blocks)} blocks")
         self.blocks = blocks
-        self.fqns: dict[int, list[str]] = {}  # id(parameter) -> every name of it (tied parameters have several)
+        # id(parameter) -> every state-dict name of it (tied parameters have several), without the
+        # AC/compile wrappers' parts: the names a plain run's checkpoint and optimizer state use
+        self.fqns: dict[int, list[str]] = {}
         for n, p in model.named_parameters(remove_duplicate=False):
-            self.fqns.setdefault(id(p), []).append(n)
+            self.fqns.setdefault(id(p), []).append(clean_name(n))
         block_ids = set()
         layer_params = []
         for b in blocks:
@@ -126,7 +128,7 @@ class OffloadEngine:
             for i, ps in enumerate(layer_params)]
         if trainable:
             self.units.append(Unit(len(self.units), "trainable", trainable, "gpu", "keep", False, self.world, self.rank))
-        self.optimizer = HostOptimizer(self.units, self.worker, lr, betas, eps, weight_decay, set(no_decay or ()),
+        self.optimizer = HostOptimizer(self.units, self.worker, lr, betas, eps, weight_decay, {clean_name(n) for n in no_decay or ()},
                                        plan.cpu_threads, speculative=plan.speculative_step)
         self.schedule = WeightSchedule(self.units, self.streams, self.device, compute, plan.prefetch_depth, group,
                                        self.world, self.optimizer.wait_for)

@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 
 from flame.errors import ConfigError
+from flame.models.blocks import clean_name
 from flame.offload.runtime.collectives import all_gather_flat
 from flame.offload.runtime.host_optimizer import HostOptimizer
 from flame.offload.runtime.schedule import WeightSchedule
@@ -58,7 +59,7 @@ class EngineStateDict:
         """The names model_state_dict returns (no gathering)."""
         names = [name for u in self.units for _, p in u.params for name in self.fqns[id(p)]]
         persistent = self.model.state_dict().keys()
-        return names + [name for name, _ in self.model.named_buffers() if name in persistent]
+        return names + [clean_name(name) for name, _ in self.model.named_buffers() if name in persistent]
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         """Master weights under the names `model.state_dict()` uses (tied names included). With
@@ -71,7 +72,7 @@ class EngineStateDict:
         persistent = self.model.state_dict().keys()
         for name, b in self.model.named_buffers():
             if name in persistent:
-                out[name] = b
+                out[clean_name(name)] = b
         return out
 
     def load_model_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
