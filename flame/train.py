@@ -160,6 +160,7 @@ class Trainer(Stateful):
         dist_utils.set_determinism(pd, self.device, cfg.debug, distinct_seed_mesh_dims=["pp"])
 
         from flame.data import build_dataloader, build_tokenizer
+        from flame.data.loader import workers_from_a_fork_server
 
         self.tokenizer = build_tokenizer(cfg)
         self.model_config = model_build.load_model_config(cfg.model.config, cfg.model.module)
@@ -200,11 +201,12 @@ class Trainer(Stateful):
 
         # the model and its optimizers, parallelized, materialized and initialized (or run by the
         # host-offload engine, with the same calls)
+        loaders = (self.dataloader, self.val_loader)
+        if self.device.type == "cpu" or cfg.offload.enable == "on":
+            workers_from_a_fork_server(loaders)  # known now: the server's imports run beside the setup
         self.parts = maybe_offload(model, pd, cfg, self.device, init_weights)
         if self.parts.state_in_host_memory:
-            for loader in (self.dataloader, self.val_loader):
-                if loader is not None and loader.num_workers > 0:
-                    loader.multiprocessing_context = "forkserver"  # workers created later share no pages
+            workers_from_a_fork_server(loaders)
         model = self.parts.model
         model.train()
         self.model = model

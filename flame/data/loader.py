@@ -4,6 +4,9 @@ StatefulDataLoader) whose checkpoint state is one global position instead of per
 from __future__ import annotations
 
 import json
+import multiprocessing
+import multiprocessing.forkserver
+import sys
 from typing import Any, Iterator
 
 import torch.distributed as dist
@@ -15,6 +18,27 @@ from flame.data.dataset import PackedDataset
 
 STATE_KEY = "flame_data_position"
 LOG_EVERY = 1000  # batches between per-source token count log lines
+
+
+def workers_from_a_fork_server(loaders) -> None:
+    """The loaders' workers forked from a fork server (a fresh process) instead of from the
+    trainer, so that they share none of its pages: a trainer holding its model state in host
+    memory would see every page they share copied once it rewrites it.
+
+    The server imports the trainer's module and the datasets library once, before it forks, and
+    is started now, so that those imports run beside the rest of the trainer's setup. Without the
+    preload every worker imported flame (torch, FLA) itself before its first batch: multiprocessing
+    preloads a main module only when it was run as a file, and the trainer runs as a module.
+    Calling this again is harmless (the server starts once)."""
+    loaders = [loader for loader in loaders if loader is not None and loader.num_workers > 0]
+    if not loaders:
+        return
+    context = multiprocessing.get_context("forkserver")
+    main = getattr(sys.modules.get("__main__"), "__spec__", None)
+    context.set_forkserver_preload([main.name if main is not None else "__main__", "datasets"])
+    for loader in loaders:
+        loader.multiprocessing_context = context
+    multiprocessing.forkserver.ensure_running()
 
 
 class FlameDataLoader(ParallelAwareDataloader):
