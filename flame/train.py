@@ -577,14 +577,17 @@ def _lock_dump_folder(dump_folder: str) -> int | None:
 
 def _print_stacks_on_sigusr1() -> None:
     """`kill -USR1` prints every thread's Python stack to stderr and the run goes on (where a job
-    hangs). faulthandler writes to a file descriptor: a replaced sys.stderr (a test's capture) may
-    have none, and the process's own stderr is used instead."""
+    hangs). faulthandler writes to a file descriptor at the signal: it gets its own copy of
+    stderr's, which a library that points descriptor 2 elsewhere for a while (to capture a
+    compiler's output, say) does not move. A replaced sys.stderr (a test's capture) may have no
+    descriptor: the process's own stderr is used instead."""
     for stream in (sys.stderr, sys.__stderr__):
         try:
-            faulthandler.register(signal.SIGUSR1, file=stream, all_threads=True)
-            return
+            own = os.fdopen(os.dup(stream.fileno()), "w")
         except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation: no fileno
             continue
+        faulthandler.register(signal.SIGUSR1, file=own, all_threads=True)  # faulthandler keeps `own` open
+        return
 
 
 def main(argv: list[str] | None = None) -> int:
