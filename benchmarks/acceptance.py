@@ -627,10 +627,9 @@ def markdown(doc: dict) -> str:
     return "\n".join(lines)
 
 
-def status(paths: list[str], rows: list[Row]) -> str:
-    """Every row's latest result over the result files `paths` (by their dates; a row not run in
-    a later file keeps its earlier result), with the file and commit it came from; rows no file
-    ran are listed as such. Markdown."""
+def latest_results(paths: list[str]) -> dict[str, tuple[dict, dict, str]]:
+    """Row name -> (its latest result, that file's document, the file's name) over the result
+    files `paths`, by their dates; a row not run in a later file keeps its earlier result."""
     docs = []
     for path in paths:
         with open(path) as f:
@@ -640,6 +639,31 @@ def status(paths: list[str], rows: list[Row]) -> str:
         for r in doc["results"]:
             if r.get("exit") != "not run":
                 latest[r["row"]] = (r, doc, os.path.basename(path))
+    return latest
+
+
+def still_to_pass(rows: list[Row], paths: list[str], every_row: list[Row]) -> list[Row]:
+    """Those of `rows` whose latest result in `paths` is not a pass, in their order, after the
+    reference rows they need from `every_row` (a ratio compares rows of one call)."""
+    latest = latest_results(paths)
+    todo = [r for r in rows if latest.get(r.name, ({},))[0].get("exit") != 0]
+    refs = {r.reference for r in todo if r.reference} - {r.name for r in todo}
+    return [r for r in every_row if r.name in refs] + todo
+
+
+def longest_first(rows: list[Row], paths: list[str]) -> list[Row]:
+    """`rows` by their latest wall time in `paths`, longest first (rows without one first, in
+    their order): rows on several GPUs then end close together."""
+    latest = latest_results(paths)
+    wall = {name: r.get("wall_s") or 0.0 for name, (r, _, _) in latest.items()}
+    return sorted(rows, key=lambda r: -wall.get(r.name, float("inf")))
+
+
+def status(paths: list[str], rows: list[Row]) -> str:
+    """Every row's latest result over the result files `paths` (by their dates; a row not run in
+    a later file keeps its earlier result), with the file and commit it came from; rows no file
+    ran are listed as such. Markdown."""
+    latest = latest_results(paths)
     lines = ["| row | group | exit | tokens/s | peak reserved GiB | loss first -> last | device | commit | file |",
              "|---|---|---|---|---|---|---|---|---|"]
     counts = {"pass": 0, "fail": 0, "never run": 0}
@@ -672,6 +696,12 @@ def main() -> int:
     ap.add_argument("--parallel", type=int, default=1,
                     help="rows run at once, each on its own GPU where the machine has enough (else they share "
                          "GPUs: pass/fail and memory only, tokens/s then are shared)")
+    ap.add_argument("--not_passed_in", nargs="+", metavar="JSON", default=[],
+                    help="run only the chosen rows whose latest result in these files is not a pass "
+                         "(e.g. one device's result files), with the reference row of each")
+    ap.add_argument("--longest_first", nargs="+", metavar="JSON", default=[],
+                    help="run the chosen rows longest first by their latest wall time in these files "
+                         "(with --parallel, the GPUs then finish close together)")
     ap.add_argument("--list", action="store_true")
     ap.add_argument("--markdown", metavar="JSON")
     ap.add_argument("--status", nargs="+", metavar="JSON",
@@ -700,6 +730,10 @@ def main() -> int:
     by_name = {r.name: r for r in rows}
     # --rows run in the order given (e.g. a warm-cache row after the row that fills the cache)
     chosen = [by_name[n] for n in dict.fromkeys(names)] if names else [r for r in rows if r.group in groups]
+    if a.not_passed_in:
+        chosen = still_to_pass(chosen, a.not_passed_in, rows)
+    if a.longest_first:
+        chosen = longest_first(chosen, a.longest_first)
     doc = {"what": "flame acceptance: user command lines through train.sh", "device": device_info(),
            "versions": versions(), "commit": commit(), "steps": a.steps,
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "command": " ".join(sys.argv),

@@ -215,3 +215,24 @@ def test_rows_naming_one_seed_start_from_its_weights(tmp_path):
             assert f"Loading the checkpoint from {step0}" in f.read()
     curves = [[loss for _, loss in r["loss_curve"]] for r in results]
     assert len(curves[0]) == 3 and curves[0] == pytest.approx(curves[1], rel=1e-5, abs=1e-5)
+
+
+def test_rows_still_to_pass_keep_their_references_and_run_longest_first(tmp_path):
+    """--not_passed_in: rows that passed in the given files are left out, a row still to pass
+    brings its reference row (ratios compare rows of one call); --longest_first orders by the
+    latest wall time there, rows never timed first."""
+    import json
+
+    results = [{"row": "paper_sdpa", "exit": 0, "wall_s": 90.0}, {"row": "paper_softpick", "exit": 1, "wall_s": 30.0},
+               {"row": "paper_vanilla", "exit": 0, "wall_s": 70.0}, {"row": "flame_readme", "exit": "timeout",
+                                                                      "wall_s": 400.0}]
+    path = str(tmp_path / "r.json")
+    with open(path, "w") as f:
+        json.dump({"date": "2026-01-01", "results": results}, f)
+    every = list(ROWS.values())
+    chosen = [ROWS[n] for n in ("paper_vanilla", "paper_softpick", "flame_readme", "paper_rectified")]
+    todo = acceptance.still_to_pass(chosen, [path], every)
+    # paper_softpick failed and paper_rectified never ran: both need paper_sdpa, which passed
+    assert [r.name for r in todo] == ["paper_sdpa", "paper_softpick", "flame_readme", "paper_rectified"]
+    order = acceptance.longest_first(todo, [path])
+    assert [r.name for r in order] == ["paper_rectified", "flame_readme", "paper_sdpa", "paper_softpick"]
