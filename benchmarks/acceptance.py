@@ -549,7 +549,7 @@ def write_markdown(json_path: str, md: str) -> None:
 
 def ratios(rows: list[Row], results: list[dict]) -> list[dict]:
     """Each row with a reference: its tokens/s over the reference row's, when both ran."""
-    tps = {r["row"]: r.get("tokens_per_second") for r in results}
+    tps = {r["row"]: r.get("tokens_per_second") for r in results if r.get("exit") == 0}  # passes only
     curves = {r["row"]: r.get("loss_curve") for r in results}
     out = []
     for row in rows:
@@ -779,11 +779,17 @@ def main() -> int:
         # there runs again alone, so a failure in the table is the row's own
         with concurrent.futures.ThreadPoolExecutor(a.parallel) as pool:
             futures = {pool.submit(run_one, r, sharing): r for r in chosen}
+            done = []
             for fut in concurrent.futures.as_completed(futures):
-                record(futures[fut], fut.result())
-            done = [(r, f.result()) for f, r in futures.items()]
+                try:
+                    res = fut.result()
+                except Exception as e:  # the harness's own failure on one row: the others still get written
+                    res = {"row": futures[fut].name, "group": futures[fut].group, "what": futures[fut].what,
+                           "exit": f"harness error: {e!r}"}
+                record(futures[fut], res)
+                done.append((futures[fut], res))
         for row, res in done:
-            if res is not None and res["exit"] != 0 and res["rows_sharing_gpu"] > 1:
+            if res is not None and res["exit"] not in (0, "not run") and res.get("rows_sharing_gpu", 1) > 1:
                 record(row, run_one(row, 1) or res)
     else:
         for row in chosen:

@@ -35,7 +35,9 @@ def workers_from_a_fork_server(loaders) -> None:
         return
     context = multiprocessing.get_context("forkserver")
     main = getattr(sys.modules.get("__main__"), "__spec__", None)
-    context.set_forkserver_preload([main.name if main is not None else "__main__", "datasets"])
+    # a package's __main__ is not imported (it may run its program unguarded), as spawn does
+    name = main.name if main is not None and main.name.rpartition(".")[2] != "__main__" else "__main__"
+    context.set_forkserver_preload([name, "datasets"])
     for loader in loaders:
         loader.multiprocessing_context = context
     multiprocessing.forkserver.ensure_running()

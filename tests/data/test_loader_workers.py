@@ -22,3 +22,27 @@ def test_fork_server_workers_reuse_the_servers_imports(tmp_path):
     # the probe process itself and the fork server, once each; never a worker
     assert len(importers) == 2 and got["main"] in importers, got
     assert not workers & set(importers), got
+
+
+def test_a_packages_main_module_is_not_preloaded(monkeypatch):
+    """`python -m pkg` runs pkg.__main__, often with no `__name__` guard: the fork server must not
+    import it again (it would run the program); a module run by name is preloaded."""
+    import multiprocessing.forkserver
+    import types
+    from importlib.machinery import ModuleSpec
+
+    import torch.utils.data
+
+    from flame.data.loader import workers_from_a_fork_server
+
+    loader = torch.utils.data.DataLoader(list(range(4)), num_workers=1)
+    preload = {}
+    monkeypatch.setattr(multiprocessing.forkserver, "ensure_running", lambda: None)
+    monkeypatch.setattr(multiprocessing.forkserver, "set_forkserver_preload", lambda names: preload.update(n=names))
+    for spec, want in ((ModuleSpec("pkg.__main__", None), "__main__"), (ModuleSpec("flame.train", None), "flame.train"),
+                       (None, "__main__")):
+        main = types.ModuleType("__main__")
+        main.__spec__ = spec
+        monkeypatch.setitem(sys.modules, "__main__", main)
+        workers_from_a_fork_server([loader])
+        assert preload["n"] == [want, "datasets"]

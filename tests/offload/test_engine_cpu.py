@@ -749,6 +749,7 @@ def test_state_dict_names_are_a_plain_runs_with_blocks_checkpointed_and_compiled
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     ref = tiny(seed=9)
+    ref.model.layers[1].register_buffer("scale", torch.arange(3.0))  # a persistent buffer inside a wrapped block
     model = copy.deepcopy(ref)
     for i, block in enumerate(model.model.layers):
         model.model.layers[i] = torch.compile(checkpoint_wrapper(block), backend="eager")
@@ -758,6 +759,7 @@ def test_state_dict_names_are_a_plain_runs_with_blocks_checkpointed_and_compiled
     p = plan(["gpu", "host_opt", "stream", "stream"], ["keep"] * 4, "host_opt")
     eng = OffloadEngine(model, p, torch.device("cpu"), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
                         no_decay=wrapped_norms)
+    assert "model.layers.1.scale" in plain_names
     assert set(eng.model_state_keys()) == set(eng.model_state_dict()) == plain_names
     assert plain_names == set(get_model_state_dict(model).keys())
     opt = eng.optimizer_state_dict()
@@ -766,7 +768,9 @@ def test_state_dict_names_are_a_plain_runs_with_blocks_checkpointed_and_compiled
     decays = {k[len("param_groups."):-len(".weight_decay")]: v for k, v in opt.items() if k.endswith(".weight_decay")}
     assert {n for n, v in decays.items() if v == 0.0} == {n for n in plain_names if "norm" in n}
     # a plain model's state loads into the engine under those names
-    other = tiny(seed=10).state_dict()
+    other = tiny(seed=10)
+    other.model.layers[1].register_buffer("scale", torch.arange(3.0))
+    other = other.state_dict()
     eng.load_model_state_dict({k: v for k, v in other.items() if k in plain_names})
     for k, v in eng.model_state_dict().items():
         torch.testing.assert_close(v, other[k])

@@ -58,8 +58,8 @@ class EngineStateDict:
     def model_state_keys(self) -> list[str]:
         """The names model_state_dict returns (no gathering)."""
         names = [name for u in self.units for _, p in u.params for name in self.fqns[id(p)]]
-        persistent = self.model.state_dict().keys()
-        return names + [clean_name(name) for name, _ in self.model.named_buffers() if name in persistent]
+        persistent = {clean_name(k) for k in self.model.state_dict()}  # wrappers' hooks strip some parts
+        return names + [clean_name(name) for name, _ in self.model.named_buffers() if clean_name(name) in persistent]
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         """Master weights under the names `model.state_dict()` uses (tied names included). With
@@ -69,9 +69,9 @@ class EngineStateDict:
             for fqn, p, v in u.views(self._full(u, u.values())):
                 for name in self.fqns[id(p)]:
                     out[name] = v
-        persistent = self.model.state_dict().keys()
+        persistent = {clean_name(k) for k in self.model.state_dict()}
         for name, b in self.model.named_buffers():
-            if name in persistent:
+            if clean_name(name) in persistent:
                 out[clean_name(name)] = b
         return out
 
