@@ -548,7 +548,7 @@ def write_markdown(json_path: str, md: str) -> None:
 
 
 def ratios(rows: list[Row], results: list[dict]) -> list[dict]:
-    """Each row with a reference: its tokens/s over the reference row's, when both ran."""
+    """Each row with a reference: its tokens/s over the reference row's, when both passed."""
     tps = {r["row"]: r.get("tokens_per_second") for r in results if r.get("exit") == 0}  # passes only
     curves = {r["row"]: r.get("loss_curve") for r in results}
     out = []
@@ -781,13 +781,13 @@ def main() -> int:
             futures = {pool.submit(run_one, r, sharing): r for r in chosen}
             done = []
             for fut in concurrent.futures.as_completed(futures):
+                row = futures[fut]
                 try:
                     res = fut.result()
                 except Exception as e:  # the harness's own failure on one row: the others still get written
-                    res = {"row": futures[fut].name, "group": futures[fut].group, "what": futures[fut].what,
-                           "exit": f"harness error: {e!r}"}
-                record(futures[fut], res)
-                done.append((futures[fut], res))
+                    res = {"row": row.name, "group": row.group, "what": row.what, "exit": f"harness error: {e!r}"}
+                record(row, res)
+                done.append((row, res))
         for row, res in done:
             if res is not None and res["exit"] not in (0, "not run") and res.get("rows_sharing_gpu", 1) > 1:
                 record(row, run_one(row, 1) or res)

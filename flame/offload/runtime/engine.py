@@ -128,8 +128,9 @@ class OffloadEngine:
             for i, ps in enumerate(layer_params)]
         if trainable:
             self.units.append(Unit(len(self.units), "trainable", trainable, "gpu", "keep", False, self.world, self.rank))
-        self.optimizer = HostOptimizer(self.units, self.worker, lr, betas, eps, weight_decay, {clean_name(n) for n in no_decay or ()},
-                                       plan.cpu_threads, speculative=plan.speculative_step)
+        self.optimizer = HostOptimizer(self.units, self.worker, lr, betas, eps, weight_decay,
+                                       {clean_name(n) for n in no_decay or ()}, plan.cpu_threads,
+                                       speculative=plan.speculative_step)
         self.schedule = WeightSchedule(self.units, self.streams, self.device, compute, plan.prefetch_depth, group,
                                        self.world, self.optimizer.wait_for)
         self.gradients = Gradients(self.units, self.streams, self.device, compute, grad, plan.rounds, group,

@@ -55,11 +55,17 @@ class EngineStateDict:
             # the master may be the pinned compute copy and the source a GPU tensor
             self.streams.copy(dst, ab[0] - u.shard_start, ab[1] - u.shard_start, src, to_host=True, non_blocking=False)
 
+    def _persistent_buffers(self) -> list[tuple[str, torch.Tensor]]:
+        """The model's persistent buffers under their state-dict names (wrappers' parts dropped;
+        their state-dict hooks strip some of them, so both sides are compared clean)."""
+        persistent = {clean_name(k) for k in self.model.state_dict()}
+        named = ((clean_name(name), b) for name, b in self.model.named_buffers())
+        return [(name, b) for name, b in named if name in persistent]
+
     def model_state_keys(self) -> list[str]:
         """The names model_state_dict returns (no gathering)."""
         names = [name for u in self.units for _, p in u.params for name in self.fqns[id(p)]]
-        persistent = {clean_name(k) for k in self.model.state_dict()}  # wrappers' hooks strip some parts
-        return names + [clean_name(name) for name, _ in self.model.named_buffers() if clean_name(name) in persistent]
+        return names + [name for name, _ in self._persistent_buffers()]
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         """Master weights under the names `model.state_dict()` uses (tied names included). With
@@ -69,10 +75,7 @@ class EngineStateDict:
             for fqn, p, v in u.views(self._full(u, u.values())):
                 for name in self.fqns[id(p)]:
                     out[name] = v
-        persistent = {clean_name(k) for k in self.model.state_dict()}
-        for name, b in self.model.named_buffers():
-            if clean_name(name) in persistent:
-                out[clean_name(name)] = b
+        out.update(self._persistent_buffers())
         return out
 
     def load_model_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
