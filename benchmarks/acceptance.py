@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import datetime
+import glob
 import json
 import os
 import queue
@@ -496,8 +497,22 @@ def run_row(row: Row, runs: str, cap_s: float, gpu: str | None = None, exit_wait
         errs = [l for l in lines if "flame: error" in l or "Error" in l or "error:" in l]
         out["error_tail"] = "\n".join((errs[-6:] if errs else []) + lines[-25:])[-4000:]
         if rc == "timeout":
-            out["stacks_at_timeout"] = dumped_stacks(console)
+            out["stacks_at_timeout"] = dumped_stacks(console) or dumped_stacks(rank_stderr(dump))
     return out
+
+
+def rank_stderr(dump: str) -> str:
+    """The workers' own stderr files under the run's ``logs`` folder (torchrun's per-rank
+    redirection). A worker writes them itself, so a stack dump lands there even when the console,
+    which reaches us through torchrun and the launcher, is cut off by the kill that follows."""
+    text = []
+    for path in sorted(glob.glob(os.path.join(dump, "logs", "*", "attempt_*", "*", "stderr.log"))):
+        try:
+            with open(path, errors="replace") as f:
+                text.append(f.read())
+        except OSError:
+            continue
+    return "\n".join(text)
 
 
 def dumped_stacks(console: str, limit: int = 12000) -> str | None:

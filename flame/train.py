@@ -39,7 +39,7 @@ from flame.models.cpu import prepare_model_build
 from flame.offload.gpu_cap import apply_gpu_cap
 from flame.offload import maybe_offload
 from flame.utils import outcome, run_lock
-from flame.utils.autotune import limit_autotune_from_env
+from flame.utils.autotune import prepare_triton_autotune
 from flame.utils.process_guard import StopRequest, die_with_launcher
 
 
@@ -142,8 +142,8 @@ class Trainer(Stateful):
         self.cfg = cfg
         t = cfg.training
         _check_dump_folder(cfg.job.dump_folder)
-        limit_autotune_from_env()
         self.device = local_device()
+        prepare_triton_autotune(self.device.type)
         world_size = init_process_group(cfg.comm, cfg.job.dump_folder)
         # before anything is allocated on the GPU: the allocator's settings and reserved-bytes cap
         apply_gpu_cap(cfg.offload, self.device)

@@ -182,6 +182,17 @@ def test_a_row_stopped_at_its_cap_reports_where_its_threads_were():
     assert acceptance.dumped_stacks(log, limit=20).endswith("...")
 
 
+def test_stacks_are_also_read_from_the_workers_own_stderr_files(tmp_path):
+    """When the console lost the dump (the kill cut the launcher's pipe), the rank's stderr file
+    under the run's logs folder still has it."""
+    rank = tmp_path / "logs" / "run-id" / "attempt_0" / "0"
+    rank.mkdir(parents=True)
+    (rank / "stderr.log").write_text('loading\nThread 0x00007f01 (most recent call first):\n  File "b.py", line 9 in time_block\n')
+    stacks = acceptance.dumped_stacks(acceptance.rank_stderr(str(tmp_path)))
+    assert stacks.startswith("Thread 0x00007f01") and "time_block" in stacks
+    assert acceptance.rank_stderr(str(tmp_path / "elsewhere")) == ""
+
+
 def test_the_seeded_pair_shares_one_seed_and_its_commands_parse(tmp_path):
     """config_transformer_1B and its offloaded twin name one seed; the seed's command (the row's
     without offload, making the step-0 checkpoint only) and each seeded row parse."""
