@@ -6,8 +6,6 @@
 #   TEST_GPUS / ACCEPT_GPUS: on a machine of several GPUs, the tests run on TEST_GPUS while the
 #   acceptance rows run on ACCEPT_GPUS at the same time (each row on its own GPU with --parallel).
 #   OFFLOAD_ARGS: benchmarks/offload.py's arguments (e.g. --lanes), run on OFFLOAD_GPUS beside the rest.
-#   EXPORT_AUTOTUNE=1: at the end, Triton's autotuning results of this call's runs go to
-#   $OUT/autotune_results (the layout flame/utils/autotune_results ships; see flame/utils/autotune.py).
 #   Wheels: .whl, and .whl-tl / .whl-z3 (tilelang, carried in two calls back to back) where present.
 set -uo pipefail
 tag=$1; tests=${2:-}; accept=${3:-}; offload=${4:-}
@@ -53,7 +51,6 @@ if [ -n "$accept" ]; then
 fi
 [ -n "$test_pid" ] && wait $test_pid
 [ -n "$offload_pid" ] && wait $offload_pid
-[ -n "${EXPORT_AUTOTUNE:-}" ] && python3 -m flame.utils.autotune export --out "$out/autotune_results"
 # every row's console log (the harness keeps only their tails): where a slow or failed row spent its time
 for d in /tmp/flame_acceptance/*/ /tmp/flame_offload_bench/*/; do
   [ "$d/console.log" -nt "$started" ] && { mkdir -p "$out/logs_$tag"; tail -c 2000000 "$d/console.log" > "$out/logs_$tag/$(basename "$d").log"; }

@@ -36,10 +36,11 @@ from flame.distributed.device import init_process_group, local_device
 from flame.errors import ConfigError, NonFiniteError
 from flame.models import build as model_build
 from flame.models.cpu import prepare_model_build
+from flame.models.fla_requirements import missing_backend
 from flame.offload.gpu_cap import apply_gpu_cap
 from flame.offload import maybe_offload
 from flame.utils import outcome, run_lock
-from flame.utils.autotune import prepare_triton_autotune
+from flame.utils.autotune import limit_autotune_from_env
 from flame.utils.process_guard import StopRequest, die_with_launcher
 
 
@@ -142,8 +143,8 @@ class Trainer(Stateful):
         self.cfg = cfg
         t = cfg.training
         _check_dump_folder(cfg.job.dump_folder)
+        limit_autotune_from_env()
         self.device = local_device()
-        prepare_triton_autotune(self.device.type)
         world_size = init_process_group(cfg.comm, cfg.job.dump_folder)
         # before anything is allocated on the GPU: the allocator's settings and reserved-bytes cap
         apply_gpu_cap(cfg.offload, self.device)
@@ -177,6 +178,9 @@ class Trainer(Stateful):
         model = model_build.build_meta_model(self.model_config, varlen=t.varlen)
         model_build.check_position_limit(model, self.model_config, *((t.context_len, "training.context_len")
                                          if t.varlen else (t.seq_len, "training.seq_len")))
+        missing = missing_backend(model, self.device)
+        if missing:  # FLA would raise in the first backward, after minutes of compiling
+            raise ConfigError(f"model.config {cfg.model.config}: {missing}")
         adapter_params = 0  # trained LoRA weights (the meta model's global shapes), for the FLOPs count
         if cfg.lora.rank > 0:  # on the meta model, before parallelize: FSDP2 shards the adapters with their blocks
             from flame.lora import apply_lora, is_adapter_key
