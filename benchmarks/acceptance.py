@@ -527,7 +527,7 @@ def dumped_stacks(console: str, limit: int = 12000) -> str | None:
 
 def versions() -> dict:
     out = {}
-    for mod in ("torch", "triton", "fla", "transformers", "torchtitan"):
+    for mod in ("torch", "triton", "fla", "transformers", "torchtitan", "tilelang"):
         try:
             m = __import__(mod)
             out[mod] = getattr(m, "__version__", "?")
