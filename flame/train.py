@@ -29,7 +29,7 @@ import torch.distributed._functional_collectives as funcol
 from flame.components.checkpoint import FlameCheckpointManager
 from flame.components.chunked_loss import (choose_loss_chunk_tokens, chunked_head_loss, install_chunked_head,
                                            take_chunked_loss, uninstall_chunked_head)
-from flame.components.loss import IGNORE_INDEX, compiled_cross_entropy_sum, cross_entropy_sum
+from flame.components.loss import IGNORE_INDEX, compiled_cross_entropy_sum, cross_entropy_sum, uses_compiled_loss
 from flame.components.metrics import MetricsLogger, write_run_summary
 from flame.config.manager import FlameConfigManager, accumulation_steps
 from flame.distributed.device import init_process_group, local_device
@@ -106,8 +106,7 @@ def _loss_memory_bytes(cfg, device: torch.device) -> int | None:
 
 
 def _compiled_loss(cfg, device: torch.device) -> bool:
-    """The plain loss runs through torch.compile (on GPUs, with ``compile.enable``)."""
-    return cfg.compile.enable and device.type == "cuda"
+    return uses_compiled_loss(cfg.compile.enable, device.type)
 
 
 def sdpa_priority(device: torch.device):

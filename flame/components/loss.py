@@ -19,6 +19,11 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
 _COMPILED = None
 
 
+def uses_compiled_loss(compile_enabled: bool, device_type: str) -> bool:
+    """The trainer runs the plain loss through torch.compile: with ``compile.enable``, on a GPU."""
+    return bool(compile_enabled) and device_type == "cuda"
+
+
 def compiled_cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """``cross_entropy_sum`` through torch.compile (as torchtitan compiles its loss): the float32
     upcast, log-softmax and gather fuse, instead of float32 copies of the whole logits in eager."""

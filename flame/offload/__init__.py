@@ -46,6 +46,7 @@ def build_plan(model, job_config, device, world: int = 1, threads_from_profile: 
     `threads_from_profile`: planning for the profile's machine (the calculator, on a machine
     without that GPU): CPU optimizer threads from its cores instead of the ones this process may
     use, and its measured CUDA context in the GPU budget."""
+    from flame.components.loss import uses_compiled_loss
     from flame.offload.measure.hardware import measure
     from flame.offload.measure.tracing import model_costs
     from flame.offload.planner.block_costs import adapters_with_outer
@@ -65,16 +66,21 @@ def build_plan(model, job_config, device, world: int = 1, threads_from_profile: 
     candidates = micro_batch_candidates(local, seq, off.micro_batch_tokens, bool(_get(job_config, "training.varlen", False)))
     cdt = getattr(torch, off.compute_dtype)
     chunk = int(_get(job_config, "training.loss_chunk_tokens", 0) or 0)
+    # the calculator (threads_from_profile) plans for the profile's GPU
+    compiled_loss = uses_compiled_loss(_get(job_config, "compile.enable", False),
+                                       "cuda" if threads_from_profile else torch.device(device).type)
     if chunk == -1:  # auto (the trainer resolves it before planning; the plan CLI comes here)
         from flame.components.chunked_loss import choose_loss_chunk_tokens
         from flame.models.build import build_meta_model
 
         meta = model if hasattr(model, "get_output_embeddings") else build_meta_model(model.config)
         tp = int(_get(job_config, "parallelism.tensor_parallel_degree", 1) or 1) > 1
-        chunk, _ = choose_loss_chunk_tokens(meta, local * seq, tp, int(off.gpu_memory_gib * 2**30) or None)
+        chunk, _ = choose_loss_chunk_tokens(meta, local * seq, tp, int(off.gpu_memory_gib * 2**30) or None,
+                                            compiled_loss=compiled_loss)
     lora = _get(job_config, "lora", None)
     lora = lora if lora is not None and lora.rank > 0 else None
-    costs_of = model_costs(model.config, cdt, candidates, seq, loss_chunk_tokens=chunk, lora=lora)
+    costs_of = model_costs(model.config, cdt, candidates, seq, loss_chunk_tokens=chunk, lora=lora,
+                           compiled_loss=compiled_loss)
     costs_of = {mb: adapters_with_outer(c) for mb, c in costs_of.items()}
     path = off.profile or os.path.join(_get(job_config, "job.dump_folder", "."), "offload_profile.json")
     if os.path.isfile(path):

@@ -1007,3 +1007,38 @@ def test_cpu_run_refuses_a_model_beyond_host_memory(monkeypatch):
         refuse_cpu_model_beyond_host(model, dims)
     # sharded over the two ranks: half each
     refuse_cpu_model_beyond_host(model, SimpleNamespace(dp_shard=2, tp=1))
+
+
+def _saved_storages(fn, logits, labels) -> dict[int, int]:
+    """Bytes of each distinct storage `fn` keeps for its backward."""
+    seen = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(logits, labels).backward()
+    return seen
+
+
+def test_the_traced_loss_keeps_what_the_trainer_s_loss_keeps():
+    """Eager cross-entropy keeps a float32 log-softmax of the logits for its backward; the loss the
+    trainer compiles (compile on, a GPU) keeps the logits as they are. The outer's traced bytes
+    differ between the two by what the real losses keep (run here, inductor on the CPU)."""
+    from flame.components.loss import compiled_cross_entropy_sum, cross_entropy_sum
+
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=512, use_cache=False)
+    cfg._attn_implementation = "sdpa"
+    mb, seq = 2, 64
+    eager = measure_costs(meta_model(cfg), mb, seq).outer
+    compiled = measure_costs(meta_model(cfg), mb, seq, compiled_loss=True).outer
+    logits = torch.randn(mb * seq, 512, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, 512, (mb * seq,))
+    real_eager = _saved_storages(cross_entropy_sum, logits, labels)
+    real_compiled = _saved_storages(compiled_cross_entropy_sum, logits, labels)
+    assert max(real_compiled.values()) == logits.numel() * 2  # the bf16 logits, no float32 copy
+    assert eager.act_keep_bytes - compiled.act_keep_bytes == sum(real_eager.values()) - sum(real_compiled.values())
+    assert compiled.max_saved_bytes == max(real_compiled.values())
+    assert eager.max_saved_bytes == max(real_eager.values())

@@ -48,6 +48,23 @@ class _FlashLike(torch.autograd.Function):
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
+class _CompiledCrossEntropySum(torch.autograd.Function):
+    """The memory of the compiled loss (``flame.components.loss.compiled_cross_entropy_sum``):
+    inductor fuses the float32 upcast, log-softmax and gather, so the backward keeps the logits as
+    they are (not a float32 log-softmax of them) and two float32 values a row, and writes the
+    logits' gradient in their dtype."""
+
+    @staticmethod
+    def forward(ctx, logits, labels):
+        rows = torch.empty(2, logits.shape[0], 1, dtype=torch.float32, device=logits.device)
+        ctx.save_for_backward(logits, labels, rows[0], rows[1])
+        return logits.new_zeros((), dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, g):
+        return torch.empty_like(ctx.saved_tensors[0]), None
+
+
 class _Recorder:
     def __init__(self, model: nn.Module, blocks: nn.ModuleList):
         self.blocks = blocks
@@ -118,12 +135,14 @@ def _head_numel(model: nn.Module) -> int:
 
 
 def measure_costs(model: nn.Module, micro_batch: int, seq_len: int, loss: bool = True,
-                  loss_chunk_tokens: int = 0) -> ModelCosts:
+                  loss_chunk_tokens: int = 0, compiled_loss: bool = False) -> ModelCosts:
     """Run one fwd+bwd of `model` (any device, meta included) and charge costs to blocks.
 
     `loss_chunk_tokens` > 0: the loss is the chunked head + cross-entropy the trainer runs with
     ``training.loss_chunk_tokens`` (its saved gradients are measured like any saved tensor; the
-    per-chunk float32 logits, which live only inside its forward, go to ``extra``)."""
+    per-chunk float32 logits, which live only inside its forward, go to ``extra``). Else
+    `compiled_loss`: the plain loss as the trainer compiles it (with ``compile.enable`` on a GPU),
+    whose saved tensors are not eager cross-entropy's."""
     blocks_name, blocks = find_blocks(model)
     rec = _Recorder(model, blocks)
     names = [f"{blocks_name}.{i}" for i in range(len(blocks))]
@@ -163,6 +182,8 @@ def measure_costs(model: nn.Module, micro_batch: int, seq_len: int, loss: bool =
             logits = out.logits if hasattr(out, "logits") else out
             if head is not None:
                 val = take_chunked_loss(head, logits)
+            elif loss and compiled_loss:
+                val = _CompiledCrossEntropySum.apply(logits.flatten(0, 1), ids.flatten(0, 1))
             elif loss:
                 val = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), ids.flatten(0, 1), reduction="sum")
             else:
@@ -233,7 +254,7 @@ def measure_costs(model: nn.Module, micro_batch: int, seq_len: int, loss: bool =
 
 
 def model_costs(config, dtype, micro_batches, seq_len: int, loss_chunk_tokens: int = 0,
-                lora=None) -> dict[int, ModelCosts]:
+                lora=None, compiled_loss: bool = False) -> dict[int, ModelCosts]:
     """Costs of a model config at each micro-batch (sequences), measured on the meta device, with
     the adapters of `lora` (the ``[lora]`` section, rank > 0: a frozen base) when given. FLA's
     Triton ops cannot run on meta: flame's torch implementations stand in during the measurement
@@ -246,7 +267,8 @@ def model_costs(config, dtype, micro_batches, seq_len: int, loss_chunk_tokens: i
 
             apply_lora(meta, lora)
         try:
-            return {mb: measure_costs(meta, mb, seq_len, loss_chunk_tokens=loss_chunk_tokens) for mb in micro_batches}
+            return {mb: measure_costs(meta, mb, seq_len, loss_chunk_tokens=loss_chunk_tokens, compiled_loss=compiled_loss)
+                    for mb in micro_batches}
         except (RuntimeError, NotImplementedError, ValueError) as e:
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
             # Mamba/Mamba2's torch paths mix float32 and the weights' dtype: they measure in float32
