@@ -17,6 +17,8 @@ with flame's torch implementations standing in.
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 
 import torch
 import torch.nn as nn
@@ -259,22 +261,66 @@ def model_costs(config, dtype, micro_batches, seq_len: int, loss_chunk_tokens: i
     the adapters of `lora` (the ``[lora]`` section, rank > 0: a frozen base) when given. FLA's
     Triton ops cannot run on meta: flame's torch implementations stand in during the measurement
     (their saved tensors and FLOPs approximate the kernels'; the block calibration and the in-run
-    calibration correct time, the logged peak shows the memory error)."""
-    with cpu_fallbacks():
-        meta = meta_model(config, dtype=dtype)
+    calibration correct time, the logged peak shows the memory error).
+
+    A model of identical blocks is traced at two blocks and the block's costs repeated (see
+    `repeated_block_costs`): its costs are the same, in a fraction of the time."""
+    def build(cfg):
+        meta = meta_model(cfg, dtype=dtype)
         if lora is not None:
             from flame.lora import apply_lora
 
             apply_lora(meta, lora)
+        return meta
+
+    def trace(meta, mb):
+        return measure_costs(meta, mb, seq_len, loss_chunk_tokens=loss_chunk_tokens, compiled_loss=compiled_loss)
+
+    with cpu_fallbacks():
         try:
-            return {mb: measure_costs(meta, mb, seq_len, loss_chunk_tokens=loss_chunk_tokens, compiled_loss=compiled_loss)
-                    for mb in micro_batches}
+            full = build(config)
+            shallow = _two_block_config(config, full)
+            out = {}
+            for mb in micro_batches:
+                costs = repeated_block_costs(trace(build(shallow), mb), find_blocks(full)) if shallow else None
+                out[mb] = costs or trace(full, mb)
+            return out
         except (RuntimeError, NotImplementedError, ValueError) as e:
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
             # Mamba/Mamba2's torch paths mix float32 and the weights' dtype: they measure in float32
             hint = "; try --offload.compute_dtype float32" if dtype != torch.float32 else ""
             raise ConfigError(f"offload: the costs of model type {getattr(config, 'model_type', '?')!r} cannot be "
                               f"measured on the meta device in {dtype} ({first}){hint}") from None
+
+
+def _block_signature(block: nn.Module) -> tuple:
+    return (tuple((name, type(m).__name__) for name, m in block.named_modules()),
+            tuple((name, tuple(p.shape), p.dtype, p.requires_grad) for name, p in block.named_parameters()))
+
+
+def _two_block_config(config, full: nn.Module):
+    """The config with two blocks when every block of `full` (built from it) is the same and
+    nothing in the config varies by layer (a per-layer list such as ``layer_types``), else None."""
+    _, blocks = find_blocks(full)
+    n = getattr(config, "num_hidden_layers", None)
+    if n != len(blocks) or n <= 2 or len({_block_signature(b) for b in blocks}) != 1:
+        return None
+    if any(isinstance(v, (list, tuple)) and len(v) == n for v in config.to_dict().values()):
+        return None
+    shallow = copy.deepcopy(config)
+    shallow.num_hidden_layers = 2
+    return shallow
+
+
+def repeated_block_costs(costs: ModelCosts, full_blocks: tuple[str, nn.ModuleList]) -> ModelCosts | None:
+    """The costs of a model of ``len(full_blocks)`` identical blocks from a trace of two of them,
+    or None when the two traced blocks' costs differ (a block that depends on its position)."""
+    a, b = costs.layers
+    if dataclasses.replace(a, name=b.name) != b:
+        return None
+    name, blocks = full_blocks
+    layers = [dataclasses.replace(b, name=f"{name}.{i}") for i in range(len(blocks))]
+    return dataclasses.replace(costs, units=layers + [u for u in costs.units if u.kind != "layer"])
 
 
 def meta_model(config, dtype=torch.bfloat16) -> nn.Module:
