@@ -658,10 +658,18 @@ def latest_results(paths: list[str]) -> dict[str, tuple[dict, dict, str]]:
 
 
 def still_to_pass(rows: list[Row], paths: list[str], every_row: list[Row]) -> list[Row]:
-    """Those of `rows` whose latest result in `paths` is not a pass, in their order, after the
-    reference rows they need from `every_row` (a ratio compares rows of one call)."""
+    """Those of `rows` whose latest result in `paths` is not a pass (a row with a target ratio:
+    also one whose ratio in that result's file missed it or was not taken), in their order, after
+    the reference rows they need from `every_row` (a ratio compares rows of one call)."""
     latest = latest_results(paths)
-    todo = [r for r in rows if latest.get(r.name, ({},))[0].get("exit") != 0]
+
+    def passed(row: Row) -> bool:
+        result, doc, _ = latest.get(row.name, ({}, {}, ""))
+        if result.get("exit") != 0:
+            return False
+        return row.target_ratio is None or any(x["row"] == row.name and x.get("met") for x in doc.get("ratios", []))
+
+    todo = [r for r in rows if not passed(r)]
     refs = {r.reference for r in todo if r.reference} - {r.name for r in todo}
     return [r for r in every_row if r.name in refs] + todo
 

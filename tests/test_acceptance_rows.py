@@ -243,6 +243,18 @@ def test_rows_still_to_pass_keep_their_references_and_run_longest_first(tmp_path
     path = str(tmp_path / "r.json")
     with open(path, "w") as f:
         json.dump({"date": "2026-01-01", "results": results}, f)
+    # a later file: paper_rectified passed but missed its target ratio, which keeps it to do
+    later = [{"row": "paper_sdpa", "exit": 0, "wall_s": 90.0}, {"row": "paper_rectified", "exit": 0, "wall_s": 80.0}]
+    ratios = [{"row": "paper_rectified", "reference": "paper_sdpa", "ratio": 0.89, "target_ratio": 0.9, "met": False}]
+    path2 = str(tmp_path / "r2.json")
+    with open(path2, "w") as f:
+        json.dump({"date": "2026-01-02", "results": later, "ratios": ratios}, f)
+    assert [r.name for r in acceptance.still_to_pass([ROWS["paper_rectified"]], [path, path2], list(ROWS.values()))] \
+        == ["paper_sdpa", "paper_rectified"]
+    ratios[0]["met"] = True
+    with open(path2, "w") as f:
+        json.dump({"date": "2026-01-02", "results": later, "ratios": ratios}, f)
+    assert acceptance.still_to_pass([ROWS["paper_rectified"]], [path, path2], list(ROWS.values())) == []
     every = list(ROWS.values())
     chosen = [ROWS[n] for n in ("paper_vanilla", "paper_softpick", "flame_readme", "paper_rectified")]
     todo = acceptance.still_to_pass(chosen, [path], every)
