@@ -193,6 +193,20 @@ def mismatch_message(exc: BaseException) -> str | None:
     return None
 
 
+def names_with_wrapper_parts(checkpoint_id: str) -> bool:
+    """The DCP checkpoint's tensor names hold wrapper parts (``_orig_mod``, ...), as the offload
+    engine's did before it saved plain names."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from flame.models.blocks import WRAPPER_PARTS
+
+    try:
+        keys = FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata
+    except Exception:  # an unreadable checkpoint: the error at hand says more
+        return False
+    return any(part in WRAPPER_PARTS for key in keys for part in key.split("."))
+
+
 # -- the manager ----------------------------------------------------------------------------
 class FlameCheckpointManager(CheckpointManager):
     def __init__(self, *args, checkpoint_config, **kwargs):
@@ -421,5 +435,12 @@ class FlameCheckpointManager(CheckpointManager):
             detail = mismatch_message(e)
             if detail is None:
                 raise
-            hint = "" if detail.startswith("it holds no") else " (resuming with another model config?)"
+            if detail.startswith("it holds no"):
+                hint = ""
+            elif names_with_wrapper_parts(where):
+                hint = (" (its tensors are named with torch.compile/activation-checkpointing wrapper parts such "
+                        "as _orig_mod: an offloaded run of a flame before commit 6bac658 wrote it, and flame now "
+                        "saves and loads the plain names; resume it with the flame that wrote it)")
+            else:
+                hint = " (resuming with another model config?)"
             raise ConfigError(f"checkpoint {where} does not fit this run: {detail}{hint}") from None

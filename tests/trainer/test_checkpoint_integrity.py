@@ -330,3 +330,20 @@ def test_convert_refuses_a_damaged_checkpoint(tmp_path, world1, capsys):
     err = capsys.readouterr().err
     assert err.startswith("flame: error: damaged checkpoint") and f"step-1/{name}" in err and err.count("\n") == 1
     assert not (tmp_path / "hf").exists()
+
+
+def test_a_checkpoint_with_wrapper_names_is_refused_naming_the_cause(tmp_path):
+    """An offloaded run of an older flame saved names like layers.0._orig_mod.w: loading it into
+    plain names is refused with the cause, not only the missing tensor."""
+    import torch.distributed.checkpoint as dcp
+
+    from flame.components.checkpoint import FlameCheckpointManager
+    from flame.errors import ConfigError
+
+    old, plain = str(tmp_path / "old"), str(tmp_path / "plain")
+    dcp.save({"layers.0._orig_mod.w": torch.ones(2)}, checkpoint_id=old)
+    dcp.save({"layers.1.w": torch.ones(2)}, checkpoint_id=plain)
+    for path, cause in ((old, "_orig_mod"), (plain, "another model config")):
+        with pytest.raises(ConfigError, match=cause) as e:
+            FlameCheckpointManager._guarded(lambda: dcp.load({"layers.0.w": torch.zeros(2)}, checkpoint_id=path), path)
+        assert "layers.0.w" in str(e.value)
