@@ -54,3 +54,16 @@ def test_a_per_layer_list_in_the_config_means_a_whole_trace():
     cfg = config("llama", layer_types=["full_attention"] * 4)
     assert tracing._two_block_config(cfg, tracing.meta_model(cfg)) is None
     assert tracing._two_block_config(config("llama"), tracing.meta_model(config("llama"))) is not None
+
+
+def test_repeated_block_costs_with_lora_adapters_are_the_whole_trace_s():
+    from flame.lora import apply_lora
+    from flame.lora.config import Lora
+
+    cfg, lora = config("llama"), Lora(rank=4)
+    got = tracing.model_costs(cfg, torch.bfloat16, [1], 64, lora=lora)[1]
+    with tracing.cpu_fallbacks():
+        meta = tracing.meta_model(cfg)
+        apply_lora(meta, lora)
+        assert got == tracing.measure_costs(meta, 1, 64)
+    assert got.layers[0].frozen_numel > 0
