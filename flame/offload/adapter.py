@@ -46,6 +46,8 @@ class OffloadOptimizers(Stateful):
     def step(self) -> None:
         """Step every unit at the schedule's current lr (host units on the CPU worker)."""
         self.engine.step(lr=self.lr)
+        # a no-op (its placeholder has no grad) that tells the LR scheduler its optimizer stepped
+        self.lr_holder.step()
 
     def zero_grad(self) -> None:
         self.engine.zero_grad()

@@ -55,7 +55,8 @@ prints the fastest plan that fits the GPU and host budgets: where each block's w
 gradients, optimizer state and activations live, the predicted step time, tokens/s, MFU, and
 peak GPU/host/pinned bytes with the binding constraint. When nothing fits it exits 2 with one
 line naming the shortfall. It reads the trainer's command line (same job file, options and
-aliases; those below are the ones it uses), so it plans what `python -m flame.train` would.
+aliases; those below are the ones it uses), so it plans what `bash train.sh` with the same
+options would.
 
 Hardware profile: --offload.profile, else DUMP/offload_profile.json when a run cached one, else
 this machine's GPU is measured (~30 s), else the bundled measured profile ({profiles}).
@@ -95,7 +96,10 @@ def plan_for(job) -> tuple[Plan, ModelCosts | None, Offload]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    from flame.launch import job_args
+
+    # train.sh's job: without --job.config_file, the options go on top of the default tiny job
+    argv = job_args(list(sys.argv[1:] if argv is None else argv))
     try:
         if "-h" in argv or "--help" in argv:
             from flame.config.help import print_help

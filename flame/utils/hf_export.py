@@ -291,7 +291,7 @@ def export_hf(model_state_dict_or_checkpoint_dir: dict[str, torch.Tensor] | str,
     max_bytes = parse_size(max_shard_size)
     out_dir = os.path.abspath(out_dir)
     if os.path.exists(out_dir) and os.listdir(out_dir) and not overwrite:
-        raise ConfigError(f"output folder {out_dir!r} exists and is not empty (pass overwrite to replace it)")
+        raise ConfigError(f"output folder {out_dir!r} exists and is not empty (--overwrite replaces it)")
     keys = model_keys(config)
     plan = plan_export(config)
 

@@ -96,7 +96,9 @@ class StepCalibrator:
         rep["replanned"] = new is not None and not same_decisions(new, self.plan)
         if self.plan.speculative_step:
             rep["predicted_step_without_speculation_s"] = without_speculation(self.plan, self.costs, self.prof)
-        peak_txt = f"{peak / GiB:.2f} GiB" if peak is not None else "n/a (no GPU)"
+        # without a GPU the plan's times are the profile's GPU's: the error says nothing of the planner
+        peak_txt = f"{peak / GiB:.2f} GiB" if peak is not None else \
+            "n/a (no GPU: this run is on the CPU, the prediction is for the profile's GPU)"
         logger.info("offload calibration (steps %d-%d of this launch): step predicted %.4g s, measured %.4g s (%+.0f%%); "
                     "peak GPU predicted %.2f GiB, measured %s", self.FIRST, self.last, rep["predicted_step_s"], measured,
                     100 * rep["step_error"], rep["predicted_peak_gpu_bytes"] / GiB, peak_txt)
