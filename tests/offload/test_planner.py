@@ -1042,3 +1042,17 @@ def test_the_traced_loss_keeps_what_the_trainer_s_loss_keeps():
     assert eager.act_keep_bytes - compiled.act_keep_bytes == sum(real_eager.values()) - sum(real_compiled.values())
     assert compiled.max_saved_bytes == max(real_compiled.values())
     assert eager.max_saved_bytes == max(real_eager.values())
+
+
+def test_the_binding_constraint_of_a_plan_that_offloads_with_room_to_spare():
+    """A plan that offloads while both budgets leave room is not said to be bound by the GPU budget."""
+    from types import SimpleNamespace
+
+    from flame.offload.planner.solver import _binding
+
+    pred = dict(peak_gpu_bytes=22 * GiB, peak_host_bytes=4 * GiB, compute_s=1.0, h2d_bytes=0, d2h_bytes=0, cpu_opt_s=0.1)
+    roomy = SimpleNamespace(offloads=True, predicted=pred, gpu_budget_bytes=76 * GiB, host_budget_bytes=64 * GiB,
+                            layer_acts=["keep"] * 4)
+    assert _binding(roomy, prof()).startswith("no budget")
+    full = SimpleNamespace(**{**vars(roomy), "gpu_budget_bytes": 22 * GiB})
+    assert _binding(full, prof()).startswith("GPU memory budget")

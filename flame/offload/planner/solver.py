@@ -323,8 +323,8 @@ def _binding(plan: Plan, prof: HardwareProfile) -> str:
         what = "GPU memory budget"
     elif pr["peak_host_bytes"] > 0.97 * plan.host_budget_bytes:
         what = "host memory budget"
-    else:
-        what = "GPU memory budget"
+    else:  # the budgets leave room: offloading is predicted no slower than keeping
+        what = "no budget (the offloaded plan is the fastest predicted)"
     bound = max(("compute", pr["compute_s"]), ("H2D/D2H link", (pr["h2d_bytes"] + pr["d2h_bytes"]) / (prof.duplex_gbps * 1e9)),
                 ("CPU optimizer", pr["cpu_opt_s"]), key=lambda kv: kv[1])[0]
     return f"{what}; step bound by {bound}"
