@@ -213,6 +213,9 @@ class Trainer(Stateful):
         model = self.parts.model
         model.train()
         self.model = model
+        o = cfg.optimizer
+        logger.info(f"Optimizer {o.name}, lr {o.lr:g}, weight decay {o.weight_decay:g}"
+                    + (" (stepped by the offload engine)" if self.parts.weights is not None else ""))
         self.chunked_head = None
         if t.loss_chunk_tokens > 0:  # validated with the config (no TP)
             self.chunked_head = install_chunked_head(model, t.loss_chunk_tokens)
