@@ -314,10 +314,13 @@ class TrainingParts:
 
 
 def maybe_offload(model: nn.Module, parallel_dims, job_config, device: torch.device,
-                  init_fn: Callable[[nn.Module], None]) -> TrainingParts:
+                  init_fn: Callable[[nn.Module], None],
+                  before_host_state: Callable[[], None] | None = None) -> TrainingParts:
     """The meta `model` made trainable: TP, activation checkpointing and compile applied; then
     either the offload engine takes it (built and initialized by `init_fn` on the host) or data
-    parallelism is applied and it is materialized on `device` and initialized by `init_fn`."""
+    parallelism is applied and it is materialized on `device` and initialized by `init_fn`.
+    `before_host_state` runs once offloading is decided, before the model state is allocated in
+    host memory (the trainer starts its data workers' fork server there)."""
     from flame.components.optimizer import build_optimizers, clip_grad_norm_, param_groups
     from flame.distributed.parallelize import apply_data_parallel, prepare_blocks
     from flame.distributed.precision import autocast_context
@@ -330,6 +333,8 @@ def maybe_offload(model: nn.Module, parallel_dims, job_config, device: torch.dev
         from flame.components.muon import refuse_offloaded_muon
 
         refuse_offloaded_muon(job_config)  # offload.enable auto chose to offload
+        if before_host_state is not None:
+            before_host_state()
         # the master copy lives in host memory; the engine moves each block where the plan says
         with _phase("initializing the weights in host memory"):
             model.to_empty(device="cpu")

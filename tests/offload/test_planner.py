@@ -1056,3 +1056,34 @@ def test_the_binding_constraint_of_a_plan_that_offloads_with_room_to_spare():
     assert _binding(roomy, prof()).startswith("no budget")
     full = SimpleNamespace(**{**vars(roomy), "gpu_budget_bytes": 22 * GiB})
     assert _binding(full, prof()).startswith("GPU memory budget")
+
+
+@pytest.mark.parametrize("offloaded", [True, False])
+def test_maybe_offload_calls_before_host_state_once_offloading_is_decided(offloaded, monkeypatch, tmp_path):
+    """The trainer's data workers' fork server starts once offloading is decided, before the model
+    state is allocated in host memory; a run that does not offload never calls it."""
+    from types import SimpleNamespace
+
+    import flame.offload as fo
+    from flame.config.manager import FlameConfigManager
+
+    class Stop(Exception):
+        pass
+
+    job = FlameConfigManager().parse_args(["--job.dump_folder", str(tmp_path), "--offload.enable", "auto"])
+    events = []
+    monkeypatch.setattr(fo, "_offload_decision", lambda *a: (offloaded, None))
+
+    def after_init(*a, **k):
+        raise Stop
+
+    monkeypatch.setattr(fo, "apply_offload", after_init)
+    monkeypatch.setattr("flame.distributed.parallelize.apply_data_parallel", after_init)
+    pd = SimpleNamespace(tp_enabled=False, dp_shard=1, tp=1, world_size=1)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=256)
+    with torch.device("meta"):
+        meta = LlamaForCausalLM(cfg)
+    with pytest.raises(Stop):
+        fo.maybe_offload(meta, pd, job, torch.device("cpu"), lambda m: events.append("init"),
+                         before_host_state=lambda: events.append("fork server"))
+    assert events == (["fork server", "init"] if offloaded else [])
