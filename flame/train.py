@@ -208,10 +208,9 @@ class Trainer(Stateful):
         if self.device.type == "cpu" or cfg.offload.enable == "on":
             workers_from_a_fork_server(loaders)  # known now: the server's imports run beside the setup
         # offload.enable auto: the server starts once offloading is decided, before the host state
+        # (state in host memory: a CPU run, started above, or an offloaded one, started there)
         self.parts = maybe_offload(model, pd, cfg, self.device, init_weights,
                                    before_host_state=lambda: workers_from_a_fork_server(loaders))
-        if self.parts.state_in_host_memory:
-            workers_from_a_fork_server(loaders)
         model = self.parts.model
         model.train()
         self.model = model

@@ -47,13 +47,13 @@ def test_blocks_that_differ_are_traced_whole(monkeypatch):
                         or measure(m, *a, **k))
     costs = tracing.model_costs(cfg, torch.bfloat16, [1], 64)[1]
     assert traced == [4] and dataclasses.replace(costs.layers[0], name=costs.layers[1].name) != costs.layers[1]
-    assert tracing._two_block_config(cfg, tracing.meta_model(cfg)) is None
+    assert tracing._two_block_config(cfg, tracing.find_blocks(tracing.meta_model(cfg))[1]) is None
 
 
 def test_a_per_layer_list_in_the_config_means_a_whole_trace():
     cfg = config("llama", layer_types=["full_attention"] * 4)
-    assert tracing._two_block_config(cfg, tracing.meta_model(cfg)) is None
-    assert tracing._two_block_config(config("llama"), tracing.meta_model(config("llama"))) is not None
+    assert tracing._two_block_config(cfg, tracing.find_blocks(tracing.meta_model(cfg))[1]) is None
+    assert tracing._two_block_config(config("llama"), tracing.find_blocks(tracing.meta_model(config("llama")))[1]) is not None
 
 
 def test_repeated_block_costs_with_lora_adapters_are_the_whole_trace_s():

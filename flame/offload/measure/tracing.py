@@ -279,10 +279,11 @@ def model_costs(config, dtype, micro_batches, seq_len: int, loss_chunk_tokens: i
     with cpu_fallbacks():
         try:
             full = build(config)
-            shallow = _two_block_config(config, full)
+            full_blocks = find_blocks(full)
+            shallow = _two_block_config(config, full_blocks[1])
             out = {}
             for mb in micro_batches:
-                costs = repeated_block_costs(trace(build(shallow), mb), find_blocks(full)) if shallow else None
+                costs = repeated_block_costs(trace(build(shallow), mb), full_blocks) if shallow else None
                 out[mb] = costs or trace(full, mb)
             return out
         except (RuntimeError, NotImplementedError, ValueError) as e:
@@ -298,10 +299,9 @@ def _block_signature(block: nn.Module) -> tuple:
             tuple((name, tuple(p.shape), p.dtype, p.requires_grad) for name, p in block.named_parameters()))
 
 
-def _two_block_config(config, full: nn.Module):
-    """The config with two blocks when every block of `full` (built from it) is the same and
-    nothing in the config varies by layer (a per-layer list such as ``layer_types``), else None."""
-    _, blocks = find_blocks(full)
+def _two_block_config(config, blocks: nn.ModuleList):
+    """The config with two blocks when every one of `blocks` (the model built from it) is the same
+    and nothing in the config varies by layer (a per-layer list such as ``layer_types``), else None."""
     n = getattr(config, "num_hidden_layers", None)
     if n != len(blocks) or n <= 2 or len({_block_signature(b) for b in blocks}) != 1:
         return None
