@@ -455,14 +455,16 @@ class Trainer(Stateful):
         )
         self.metrics.reset_clock(self.step)
         data_iter = iter(self.dataloader)
-        from torchtitan.tools.profiling import maybe_enable_profiling
         from torchtitan.tools.utils import GarbageCollection
+
+        from flame.components.profiling import training_profiler
 
         # automatic GC off, generation-1 collection every training.gc_freq steps (as torchtitan):
         # no gen-2 pauses at random steps
         gc_handler = GarbageCollection(gc_freq=cfg.training.gc_freq, debug=cfg.training.gc_debug)
 
-        with maybe_enable_profiling(cfg.profiling, global_step=self.step, base_folder=cfg.job.dump_folder) as prof:
+        with training_profiler(cfg.profiling, global_step=self.step, base_folder=cfg.job.dump_folder,
+                               device=self.device) as prof:
             while self.step < cfg.training.steps:
                 self.step += 1
                 stop.poll()  # shares this rank's stop flag while the step runs

@@ -454,6 +454,11 @@ def validate(cfg) -> None:
         raise ConfigError(f"checkpoint.interval {cfg.checkpoint.interval}: must be >= 1")
     if cfg.metrics.log_freq < 1:
         raise ConfigError(f"metrics.log_freq {cfg.metrics.log_freq}: must be >= 1")
+    prof = cfg.profiling
+    if prof.enable_profiling and (prof.profiler_warmup < 0 or prof.profiler_active < 1
+                                  or prof.profile_freq < prof.profiler_warmup + prof.profiler_active):
+        raise ConfigError(f"profiling.profile_freq {prof.profile_freq}: must be >= profiling.profiler_warmup "
+                          f"({prof.profiler_warmup}, >= 0) + profiling.profiler_active ({prof.profiler_active}, >= 1)")
     validate_lora(cfg)
 
 

@@ -114,7 +114,9 @@ def test_bad_values_each_name_themselves(tmp_path):
     cases = [(["--job.dump_folder", str(a_file)], "a file, not a folder"),
              (["--training.steps", "0"], "training.steps 0: must be >= 1"),
              (["--training.varlen", "--training.seq_len", "16", "--training.context_len", "32"],
-              "set --training.context_len")]
+              "set --training.context_len"),
+             (["--profiling.enable_profiling", "--profiling.profile_freq", "3"],
+              r"profiling.profile_freq 3: must be >= profiling.profiler_warmup \(3, >= 0\) \+ profiling.profiler_active")]
     for extra, says in cases:
         with pytest.raises(ConfigError, match=says):
             FlameConfigManager().parse_args(["--model.config", CONFIG, "--job.dump_folder", str(tmp_path / "run"),

@@ -33,3 +33,19 @@ def test_tensorboard_and_wandb_offline_write_under_the_dump_folder(tmp_path, mon
     line = [l for l in out.splitlines() if re.search(r"step\s+3/3", l)]
     assert line, out[-3000:]
     assert re.search(r"loss\s+\d+\.\d+.*lr [\d.e+-]+.*tok/s [\d,]+.*eta \d+:\d\d:\d\d", line[0]), line[0]
+
+
+def test_profiling_writes_a_trace_of_the_chosen_step_on_cpu(tmp_path):
+    """torchtitan's profiler lists GPU activity even without a GPU (torch.profiler refuses that):
+    on CPU the trainer profiles the CPU only, on torchtitan's schedule and in its folder layout."""
+    import json
+
+    dump = str(tmp_path / "run")
+    run_job(1, dump, "--training.steps", "2", "--checkpoint.no-enable", "--profiling.enable_profiling",
+            "--profiling.profile_freq", "2", "--profiling.profiler_warmup", "1", "--profiling.profiler_active", "1")
+    traces = sorted(glob.glob(os.path.join(dump, "profile_trace", "iteration_*", "rank0_trace.json")))
+    assert [os.path.basename(os.path.dirname(t)) for t in traces] == ["iteration_2"], traces
+    with open(traces[0]) as f:
+        events = json.load(f)["traceEvents"]
+    assert any(str(e.get("name", "")).startswith("ProfilerStep#") for e in events)
+    assert any("aten::mm" == e.get("name") or "aten::addmm" == e.get("name") for e in events)
