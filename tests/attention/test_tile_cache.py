@@ -193,3 +193,22 @@ def test_concurrent_writers_lose_nothing(tmp_path):
     assert all(p.exitcode == 0 for p in procs)
     got = tiles.load_cache(path)
     assert got == {f"w{w}/k{i}": TileConfig(16 * (w + 1), 16, 4, i % 4 + 1) for w in range(6) for i in range(n)}
+
+
+def test_tune_output_keeps_other_shapes_and_gpus():
+    """Re-tuning one shape on a GPU replaces its entries only: the GPU's other shapes and other GPUs stay."""
+    from flame.ops.attention.tune import merge_tuned
+
+    data = {"format": 1, "devices": {
+        "GPU A": {"source": "first", "triton": "3.5", "torch": "2.10",
+                  "tiles": {"fwd/softmax/d64/x": {"tile": [64, 64, 4, 3], "ms": 2.0},
+                            "fwd/softmax/d128/x": {"tile": [128, 64, 8, 3], "ms": 1.0}}},
+        "GPU B": {"source": "b", "tiles": {"fwd/softmax/d64/x": {"tile": [32, 32, 4, 2], "ms": 3.0}}}}}
+    merge_tuned(data, "GPU A", {"fwd/softmax/d64/x": {"tile": [128, 64, 8, 4], "ms": 1.5}}, "second", "3.6", "2.11")
+    a = data["devices"]["GPU A"]
+    assert a["tiles"] == {"fwd/softmax/d128/x": {"tile": [128, 64, 8, 3], "ms": 1.0},
+                          "fwd/softmax/d64/x": {"tile": [128, 64, 8, 4], "ms": 1.5}}
+    assert a["source"] == "first; then second" and a["triton"] == "3.6"
+    assert data["devices"]["GPU B"]["tiles"] == {"fwd/softmax/d64/x": {"tile": [32, 32, 4, 2], "ms": 3.0}}
+    merge_tuned(data, "GPU C", {"dq/softpick/d64/x": {"tile": [64, 32, 4, 3], "ms": 1.0}}, "third", "3.6", "2.11")
+    assert data["devices"]["GPU C"]["source"] == "third"

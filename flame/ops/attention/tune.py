@@ -5,8 +5,8 @@
 
 Each shape ``BxTxHxD`` runs forward + backward once per mode and layout with
 ``FLAME_ATTN_AUTOTUNE=force`` (every candidate timed again; the winners also go to this machine's
-disk cache). ``--out`` gets this GPU's block in the format of ``tuned_tiles.json``: the file's other
-GPUs are kept, this GPU's block is replaced. Defaults: the 340M transformers' attention (16 heads of
+disk cache). ``--out`` gets the tuned entries in this GPU's block of ``tuned_tiles.json``: the
+file's other GPUs and this GPU's entries of other shapes are kept, the tuned ones replaced. Defaults: the 340M transformers' attention (16 heads of
 64, batch 16 x 4096) and B=4 T=4096 H=16 D=128 (the shape of the committed tile sweep).
 """
 from __future__ import annotations
@@ -68,6 +68,17 @@ def tune_shapes(shapes, modes, layouts, dtype_name: str = "bfloat16") -> set:
     return {key for key in set(tiles._MEMO) - before}
 
 
+def merge_tuned(data: dict, device: str, tuned: dict, source: str, triton_ver: str, torch_ver: str) -> None:
+    """Put the ``tuned`` entries into ``device``'s block of a shipped-defaults document: its entries
+    of other keys stay, and its source then names both tunings."""
+    block = data.setdefault("devices", {}).get(device) or {}
+    kept = {n: e for n, e in block.get("tiles", {}).items() if n not in tuned}
+    if kept and block.get("source"):
+        source = f"{block['source']}; then {source}"
+    data["devices"][device] = {"source": source, "triton": triton_ver, "torch": torch_ver,
+                               "tiles": dict(sorted({**kept, **tuned}.items()))}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, help="shipped-defaults JSON to write (this GPU's block is replaced)")
@@ -94,6 +105,7 @@ def main(argv=None) -> int:
         print(f"flame: error: {e}", file=sys.stderr)
         return 2
     os.environ["FLAME_ATTN_AUTOTUNE"] = "force"
+    tiles.TIMING_REP_MS = 200  # shipped winners: time each candidate long enough to rank close ones
     keys = tune_shapes(shapes, modes, layouts, a.dtype)
     device = tiles.device_name()
     cache = tiles.cache_path(device, tiles.flame_version(), tiles.triton_version())
@@ -105,13 +117,9 @@ def main(argv=None) -> int:
     if out.exists():
         with open(out) as f:
             data = json.load(f)
-    data.setdefault("devices", {})[device] = {
-        "source": f"python -m flame.ops.attention.tune --shapes {a.shapes} --modes {a.modes} --layouts {a.layouts} "
-                  f"({datetime.date.today().isoformat()})",
-        "triton": tiles.triton_version(),
-        "torch": torch.__version__,
-        "tiles": {n: measured[n] for n in names},
-    }
+    source = (f"python -m flame.ops.attention.tune --shapes {a.shapes} --modes {a.modes} --layouts {a.layouts} "
+              f"({datetime.date.today().isoformat()}, triton {tiles.triton_version()}, torch {torch.__version__})")
+    merge_tuned(data, device, {n: measured[n] for n in names}, source, tiles.triton_version(), torch.__version__)
     tmp = out.with_name(out.name + ".tmp")
     with open(tmp, "w") as f:
         json.dump(data, f, indent=1)
