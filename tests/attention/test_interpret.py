@@ -75,7 +75,35 @@ def check(B, T, HQ, HK, D, mode, cu=None, scale=1.0):
     assert max(errs) < tol, ("seed", SEED, B, T, HQ, HK, D, mode, cu, errs)
     print("ok", mode, B, T, HQ, HK, D, None if cu is None else cu.tolist(), ["%.1e" % e for e in errs])
 
+def check_exact_zero_logits():
+    # logits of exactly 0 (q and every other key on disjoint dims) in float32 and float64 alike:
+    # the kernels' softpick backward takes the kink's left derivative there, as the reference does
+    B, T, H, D = 1, 24, 2, 16
+    g = torch.Generator().manual_seed(SEED + 7)
+    while True:
+        q, k = (torch.randn(B, T, H, D, generator=g, dtype=torch.float64) for _ in range(2))
+        q[..., D // 2:] = 0
+        k[:, 1::2, :, :D // 2] = 0
+        s = torch.einsum("bihd,bjhd->bhij", q, k) / math.sqrt(D)
+        nonzero = s[s != 0]
+        valid = build_valid_mask(T, T, device=s.device)
+        den = torch.where(valid, (s.exp() - 1).abs(), torch.zeros((), dtype=s.dtype)).sum(-1)
+        if nonzero.abs().min().item() > 1e-4 and den.min().item() > 1e-2:
+            break
+    assert (torch.where(valid, s, 1.0) == 0).sum().item() > 100
+    v = torch.randn(B, T, H, D, generator=g, dtype=torch.float64)
+    do = torch.randn(B, T, H, D, generator=g, dtype=torch.float64)
+    ref_in = [x.clone().requires_grad_() for x in (q, k, v)]
+    o_ref, _ = naive_attention(*ref_in, "softpick")
+    o_ref.backward(do)
+    got_in = [x.float().requires_grad_() for x in (q, k, v)]
+    parallel_attention(*got_in, "softpick").backward(do.float())
+    errs = [rel(a.grad, b.grad) for a, b in zip(got_in, ref_in)]
+    assert max(errs) < 1e-4, ("seed", SEED, "exact-zero logits", errs)
+    print("ok exact-zero logits", ["%.1e" % e for e in errs])
+
 def kernel_section():
+    check_exact_zero_logits()
     for mode in ("softmax", "softpick", "rectified"):
         check(2, 37, 4, 2, 24, mode)                                     # GQA, T and D not tile multiples
         check(1, 45, 2, 1, 32, mode, torch.tensor([0, 10, 11, 30, 45]))  # varlen incl. a 1-token document
@@ -144,7 +172,7 @@ def interpreter_run():
 def test_kernels_under_interpreter(interpreter_run):
     r = interpreter_run
     assert "FAILED kernel_section" not in r.stdout, r.stdout[-4000:]
-    assert r.stdout.count("ok ") == 13, r.stdout[-2000:] + r.stderr[-4000:]
+    assert r.stdout.count("ok ") == 14, r.stdout[-2000:] + r.stderr[-4000:]
 
 
 def test_custom_ops_opcheck_and_compile(interpreter_run):

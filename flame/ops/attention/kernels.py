@@ -17,7 +17,8 @@ backward recomputes ``g_ij = 2^(s2_ij - lse2_i)`` = exp(s_ij) / den_i.
 Backward (D_i = sum_d dO_id O_id, dp_ij = dO_i . v_j):
 
 * softmax / rectified: ds_ij = w_ij (dp_ij - D_i)
-* softpick:            ds_ij = g_ij ([s_ij > 0] dp_ij - sign(s_ij) D_i)
+* softpick:            ds_ij = g_ij ([s_ij > 0] dp_ij - sign(s_ij) D_i), with sign(0) taken as -1
+  (the left derivative at the kink s_ij = 0)
 
 D_i comes from ``bwd_delta_kernel`` (one fused pass over O and dO). The backward tiles take the
 raw product q . k and fold the scale into one multiply-add with -lse2; sign tests use the raw
@@ -198,7 +199,7 @@ def _weights_and_grad(
     RAW_SIGN (scale > 0) the sign tests use ``s`` itself, so ``s * scale_log2 - lse`` stays a
     single fused multiply-add. Masked entries get ``-inf`` before the exp2: then g = 0 gives
     w = ds = 0 with no further select. Per element, softmax costs fma + exp2 + sub + mul;
-    softpick adds two compares and two selects (and sub + max when w is needed).
+    softpick adds a compare and a select (and sub + max when w is needed).
     """
     if RAW_SIGN:
         t = s
@@ -214,8 +215,10 @@ def _weights_and_grad(
         x = tl.where(valid, x, float("-inf"))
     g = tl.exp2(x)
     if MODE == 1:
-        # ds = g ([s > 0] dp - sign(s) D);  w = relu(g - 2^-lse) (> 0 exactly when s > 0)
-        ds = g * tl.where(t > 0, dp - delta, tl.where(t < 0, delta, 0.0))
+        # ds = g ([s > 0] dp - sign(s) D);  w = relu(g - 2^-lse) (> 0 exactly when s > 0). At s = 0
+        # exactly, the kink of both relu(e^s - 1) and |e^s - 1|, ds takes the derivative from below
+        # (g D): one select less per element than sign(0) = 0, and a subgradient all the same
+        ds = g * tl.where(t > 0, dp - delta, delta)
         if NEED_W:
             w = tl.maximum(g - c, 0.0)
         else:

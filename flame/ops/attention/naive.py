@@ -112,7 +112,9 @@ def attention_weights(s: torch.Tensor, valid: torch.Tensor, mode: str, eps: floa
         m = m.clamp_min(0.0)
         e = torch.exp(s - m) - torch.exp(-m)
         num = torch.where(valid, torch.relu(e), 0.0)
-        den = torch.where(valid, e.abs(), 0.0).sum(-1, keepdim=True) + eps * torch.exp(-m)
+        # |e| whose derivative at e = 0 (a logit of exactly 0) is the left one, -1, as in the
+        # Triton kernels' backward (torch's abs takes 0 there); both are subgradients of the kink
+        den = torch.where(valid, torch.where(e > 0, e, -e), 0.0).sum(-1, keepdim=True) + eps * torch.exp(-m)
         return num / den
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     p = torch.where(valid, torch.exp(s - m), 0.0)
