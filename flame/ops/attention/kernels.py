@@ -69,37 +69,43 @@ def _load_kv(k_base, v_base, kn, offs_d, mask_d, seqlen, KV_STRIDE, D: tl.conste
 def _fwd_tiles(
     acc, l, m, q, k_base, v_base, offs_m, lo, hi, seqlen, scale_log2,
     KV_STRIDE, D: tl.constexpr, BD: tl.constexpr,
-    MODE: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr, BN: tl.constexpr,
+    MODE: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr, RAW_SIGN: tl.constexpr, BN: tl.constexpr,
 ):
+    """With RAW_SIGN (scale > 0) maxima and sign tests use the raw product q . k, and the scale
+    joins the exp2's argument as one multiply-add per element (no scaled copy of the tile)."""
     offs_n = tl.arange(0, BN)
     offs_d = tl.arange(0, BD)
     mask_d = offs_d < D
     for start in range(lo, hi, BN):
         kn = start + offs_n
         k, v = _load_kv(k_base, v_base, kn, offs_d, mask_d, seqlen, KV_STRIDE, D, BD, MASKED)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
+        s = tl.dot(q, tl.trans(k), input_precision=PREC)
+        if not RAW_SIGN:
+            s = s * scale_log2
         if MASKED:
             valid = (offs_m[:, None] >= kn[None, :]) & (kn[None, :] < seqlen)
-        if MODE == 1:
+        if MODE == 2:
+            keep = s >= 0
             if MASKED:
-                m_new = tl.maximum(m, tl.max(tl.where(valid, s, float("-inf")), 1))
-            else:
-                m_new = tl.maximum(m, tl.max(s, 1))
-            e = tl.exp2(s - m_new[:, None]) - tl.exp2(-m_new)[:, None]
+                keep = keep & valid
+            s = tl.where(keep, s, float("-inf"))
+        elif MASKED:
+            s = tl.where(valid, s, float("-inf"))
+        if RAW_SIGN:
+            m_new = tl.maximum(m, tl.max(s, 1) * scale_log2)
+            x = s * scale_log2 - m_new[:, None]
+        else:
+            m_new = tl.maximum(m, tl.max(s, 1))
+            x = s - m_new[:, None]
+        if MODE == 1:
+            # masked entries: exp2(-inf) = 0, so e = -2^-m there; the select zeroes them
+            e = tl.exp2(x) - tl.exp2(-m_new)[:, None]
             if MASKED:
                 e = tl.where(valid, e, 0.0)
             p = tl.maximum(e, 0.0)
             row = tl.sum(tl.abs(e), 1)
         else:
-            if MODE == 2:
-                keep = s >= 0
-                if MASKED:
-                    keep = keep & valid
-                s = tl.where(keep, s, float("-inf"))
-            elif MASKED:
-                s = tl.where(valid, s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))
-            p = tl.exp2(s - m_new[:, None])
+            p = tl.exp2(x)
             row = tl.sum(p, 1)
         alpha = tl.exp2(m - m_new)
         l = l * alpha + row
@@ -134,7 +140,7 @@ def _query_rows(bos, blk, h, seqlen, HQ, HK, D: tl.constexpr, BD: tl.constexpr, 
 def attn_fwd_kernel(
     Q, K, V, O, LSE, CU, scale_log2, eps, T,
     HQ, HK, D: tl.constexpr, BD: tl.constexpr,
-    MODE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
+    MODE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr, RAW_SIGN: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr,
 ):
     # float scalars may arrive as fp64 (inductor types Python floats so): the loops need fp32
@@ -156,10 +162,10 @@ def attn_fwd_kernel(
         m = tl.zeros([BM], dtype=tl.float32)
     diag = blk * BM
     acc, l, m = _fwd_tiles(acc, l, m, q, k_base, v_base, offs_m, 0, diag, seqlen, scale_log2,
-                           HK * D, D, BD, MODE, False, PREC, BN)
+                           HK * D, D, BD, MODE, False, PREC, RAW_SIGN, BN)
     hi = tl.minimum(diag + BM, seqlen)
     acc, l, m = _fwd_tiles(acc, l, m, q, k_base, v_base, offs_m, diag, hi, seqlen, scale_log2,
-                           HK * D, D, BD, MODE, True, PREC, BN)
+                           HK * D, D, BD, MODE, True, PREC, RAW_SIGN, BN)
 
     if MODE == 1:
         den = l + eps * tl.exp2(-m)

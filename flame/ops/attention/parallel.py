@@ -64,8 +64,8 @@ def attn_fwd(
     def launch(c: TileConfig):
         attn_fwd_kernel[(cdiv(max_seqlen, c.outer), HQ, n_docs)](
             q, k, v, o, lse, cu, scale * LOG2E, eps, T, HQ, HK,
-            D=D, BD=bd, MODE=mode_id, IS_VARLEN=cu_seqlens is not None,
-            PREC=_prec(q.dtype), BM=c.outer, BN=c.inner, num_warps=c.num_warps, num_stages=c.num_stages,
+            D=D, BD=bd, MODE=mode_id, IS_VARLEN=cu_seqlens is not None, PREC=_prec(q.dtype), RAW_SIGN=scale > 0,
+            BM=c.outer, BN=c.inner, num_warps=c.num_warps, num_stages=c.num_stages,
         )
 
     _run_tuned("fwd", q, mode_id, HQ // HK, cu_seqlens is not None, max_seqlen, launch)
