@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import glob
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -58,6 +60,25 @@ class DataOptions:
 
     def __post_init__(self) -> None:
         validate(self)
+
+
+def looks_like_a_local_path(name: str) -> bool:
+    """A name that cannot be a Hugging Face hub id ("name" or "org/name"): it starts like a path,
+    has more than one "/", or ends in a file extension."""
+    return (name.startswith((".", "/", "~")) or name.count("/") > 1
+            or os.path.splitext(name)[1].lower() in (".json", ".jsonl", ".parquet", ".txt", ".csv", ".arrow", ".gz"))
+
+
+def missing_local_source(dataset: str | None) -> str | None:
+    """The first comma entry of a ``dataset`` option that names a local path (or glob) with nothing
+    there; hub ids are left to the loader. Checked before any process starts."""
+    for entry in str(dataset or "").split(","):
+        path = os.path.expanduser(entry.strip())
+        if not path or not looks_like_a_local_path(path):
+            continue
+        if not (glob.glob(path) if glob.has_magic(path) else os.path.exists(path)):
+            return entry.strip()
+    return None
 
 
 def _split_list(value: str | None, what: str, n: int | None) -> list[str | None]:

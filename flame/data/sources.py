@@ -16,7 +16,7 @@ import numpy as np
 
 from flame.data.documents import BadRows, RowLocator, tokenize_texts
 from flame.data.holdout import held_out, held_out_rows
-from flame.data.options import SourceSpec
+from flame.data.options import SourceSpec, looks_like_a_local_path
 from flame.data.shards import ShardReader, is_token_folder
 from flame.errors import ConfigError
 
@@ -44,13 +44,6 @@ def _expand(pattern: str, what: str) -> list[str]:
     if not files:
         raise ConfigError(f"{what}: {pattern!r} matches no file")
     return files
-
-
-def looks_like_a_local_path(name: str) -> bool:
-    """A name that cannot be a Hugging Face hub id ("name" or "org/name"): it starts like a path,
-    has more than one "/", or ends in a file extension."""
-    return (name.startswith((".", "/", "~")) or name.count("/") > 1
-            or os.path.splitext(name)[1].lower() in (".json", ".jsonl", ".parquet", ".txt", ".csv", ".arrow", ".gz"))
 
 
 def _first_line(e: BaseException) -> str:

@@ -71,7 +71,7 @@ def load_tokenizer(path: str | None) -> Any:
 
     if not path:
         raise ConfigError("model.tokenizer_path: not set; point it at a tokenizer folder (e.g. flame/assets/tokenizer)")
-    from flame.data.sources import looks_like_a_local_path
+    from flame.data.options import looks_like_a_local_path
 
     if not os.path.isdir(path) and looks_like_a_local_path(path):
         raise ConfigError(f"model.tokenizer_path: {path!r}: no such folder")

@@ -10,6 +10,7 @@ from flame.errors import ConfigError
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOML = os.path.join(ROOT, "flame/models/fla.toml")
 CONFIG = os.path.join(ROOT, "tests/assets/tiny_llama.json")
+CORPUS = os.path.join(ROOT, "flame/assets/sample_corpus")
 
 
 def parse(*args):
@@ -115,6 +116,9 @@ def test_bad_values_each_name_themselves(tmp_path):
              (["--training.steps", "0"], "training.steps 0: must be >= 1"),
              (["--training.varlen", "--training.seq_len", "16", "--training.context_len", "32"],
               "set --training.context_len"),
+             (["--training.dataset", str(tmp_path / "no_corpus")], "training.dataset: '.*no_corpus' does not exist"),
+             (["--training.dataset", f"{CORPUS},{tmp_path}/shards/*.jsonl"], r"training.dataset: '.*shards/\*.jsonl' does not exist"),
+             (["--model.tokenizer_path", "./no_tokenizer_here"], "model.tokenizer_path: './no_tokenizer_here': no such folder"),
              (["--profiling.enable_profiling", "--profiling.profile_freq", "3"],
               r"profiling.profile_freq 3: must be >= profiling.profiler_warmup \(3, >= 0\) \+ profiling.profiler_active")]
     for extra, says in cases:
