@@ -262,3 +262,24 @@ def test_rows_still_to_pass_keep_their_references_and_run_longest_first(tmp_path
     assert [r.name for r in todo] == ["paper_sdpa", "paper_softpick", "flame_readme", "paper_rectified"]
     order = acceptance.longest_first(todo, [path])
     assert [r.name for r in order] == ["paper_rectified", "flame_readme", "paper_sdpa", "paper_softpick"]
+
+
+def test_step_profile_summary_sums_gpu_time_by_category():
+    """``benchmarks/step_profile.py``: kernels, copies and fills by category and name; the GPU's
+    busy time is the union of its intervals (overlapping streams counted once)."""
+    spec = importlib.util.spec_from_file_location("step_profile", os.path.join(ROOT, "benchmarks/step_profile.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    events = [
+        {"ph": "X", "name": "ProfilerStep#4", "cat": "user_annotation", "ts": 0, "dur": 1000},
+        {"ph": "X", "name": "attn_bwd_dkdv_kernel", "cat": "kernel", "ts": 100, "dur": 300},
+        {"ph": "X", "name": "nvjet_sm90_tst_256x128", "cat": "kernel", "ts": 300, "dur": 200},  # overlaps 100 us
+        {"ph": "X", "name": "triton_poi_fused_add_0", "cat": "kernel", "ts": 600, "dur": 50},
+        {"ph": "X", "name": "Memcpy HtoD (Pinned -> Device)", "cat": "gpu_memcpy", "ts": 700, "dur": 100},
+        {"ph": "X", "name": "aten::mm", "cat": "cpu_op", "ts": 0, "dur": 900},  # host side: not GPU time
+    ]
+    s = module.summarize({"traceEvents": events})
+    assert s["step_wall_ms"] == 1.0
+    assert s["by_category_ms"] == {"flame_attention": 0.3, "gemm": 0.2, "copy_or_fill": 0.1, "inductor_fused": 0.05}
+    assert s["gpu_kernel_sum_ms"] == 0.65 and s["gpu_busy_ms"] == 0.55 and s["gpu_span_ms"] == 0.7
+    assert [k["name"] for k in s["top_kernels"]][:2] == ["attn_bwd_dkdv_kernel", "nvjet_sm90_tst_256x128"]
