@@ -6,7 +6,8 @@
 #   TEST_GPUS / ACCEPT_GPUS: on a machine of several GPUs, the tests run on TEST_GPUS while the
 #   acceptance rows run on ACCEPT_GPUS at the same time (each row on its own GPU with --parallel).
 #   OFFLOAD_ARGS: benchmarks/offload.py's arguments (e.g. --lanes), run on OFFLOAD_GPUS beside the rest.
-#   PROFILE_ARGS: benchmarks/step_profile.py's arguments, run after the tests on TEST_GPUS.
+#   PROFILE_ARGS: benchmarks/step_profile.py's arguments, run after the tests on TEST_GPUS (capped at
+#   PROFILE_TIMEOUT_S, default 300 s).
 #   Wheels: .whl, and .whl-tl / .whl-z3 (tilelang, carried in two calls back to back) where present.
 set -uo pipefail
 tag=$1; tests=${2:-}; accept=${3:-}; offload=${4:-}
@@ -30,7 +31,9 @@ run_tests() {
   timeout 540 python3 -m pytest -q -p no:cacheprovider -o log_level=INFO -o "addopts=-m 'not slow'" $tests > "$out/gpu_tests_$tag.txt" 2>&1
   tail -40 "$out/gpu_tests_$tag.txt"
   if [ -n "${PROFILE_ARGS:-}" ]; then
-    python3 benchmarks/step_profile.py "$out/step_profile_$tag.json" $PROFILE_ARGS > "$out/step_profile_$tag.log" 2>&1
+    # its own cap (PROFILE_TIMEOUT_S): the rows' --budget_s does not cover it
+    timeout "${PROFILE_TIMEOUT_S:-300}" python3 benchmarks/step_profile.py "$out/step_profile_$tag.json" $PROFILE_ARGS \
+      > "$out/step_profile_$tag.log" 2>&1
     grep -v "^WARNING" "$out/step_profile_$tag.log" | tail -60
   fi
 }
