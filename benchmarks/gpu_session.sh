@@ -57,10 +57,15 @@ if [ -n "$accept" ]; then
   ( [ -n "${ACCEPT_GPUS:-}" ] && export CUDA_VISIBLE_DEVICES=$ACCEPT_GPUS
     python3 benchmarks/acceptance.py "$out/acceptance_$tag.json" $accept 2>&1 | grep -v "^WARNING" | tail -80 )
 fi
+# every row's console log (the harness keeps only their tails): where a slow or failed row spent its
+# time; copied as soon as the rows end too, in case the call's limit ends what is still running
+copy_logs() {
+  for d in /tmp/flame_acceptance/*/ /tmp/flame_offload_bench/*/; do
+    [ "$d/console.log" -nt "$started" ] && { mkdir -p "$out/logs_$tag"; tail -c 2000000 "$d/console.log" > "$out/logs_$tag/$(basename "$d").log"; }
+  done
+}
+copy_logs
 [ -n "$test_pid" ] && wait $test_pid
 [ -n "$offload_pid" ] && wait $offload_pid
-# every row's console log (the harness keeps only their tails): where a slow or failed row spent its time
-for d in /tmp/flame_acceptance/*/ /tmp/flame_offload_bench/*/; do
-  [ "$d/console.log" -nt "$started" ] && { mkdir -p "$out/logs_$tag"; tail -c 2000000 "$d/console.log" > "$out/logs_$tag/$(basename "$d").log"; }
-done
+copy_logs
 true
