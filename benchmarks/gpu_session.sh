@@ -68,4 +68,6 @@ copy_logs
 [ -n "$test_pid" ] && wait $test_pid
 [ -n "$offload_pid" ] && wait $offload_pid
 copy_logs
+# one archive: the device tool returns a limited number of files a call
+[ -d "$out/logs_$tag" ] && tar czf "$out/logs_$tag.tgz" -C "$out" "logs_$tag" && rm -rf "$out/logs_$tag"
 true
