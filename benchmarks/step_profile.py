@@ -115,9 +115,12 @@ def run_one(row: acceptance.Row, runs: str, steps: int, gpu) -> dict:
     return out
 
 
-def print_summary(s: dict) -> None:
-    print(f"{s.get('row', '')}: step {s.get('step_wall_ms')} ms, GPU busy {s.get('gpu_busy_ms')} ms "
+def print_summary(s: dict, label: str = "") -> None:
+    label = s.get("row") or label
+    print(f"{label}: step {s.get('step_wall_ms')} ms, GPU busy {s.get('gpu_busy_ms')} ms "
           f"(kernel sum {s.get('gpu_kernel_sum_ms')} ms)")
+    if not s.get("by_category_ms"):
+        print("  no GPU kernels in this trace (a CPU run's trace, or the GPU was not profiled)")
     for k, v in s.get("by_category_ms", {}).items():
         print(f"  {k:28s} {v:10.2f} ms")
     for k in s.get("top_kernels", [])[:15]:
@@ -133,7 +136,15 @@ def main() -> int:
     ap.add_argument("--summarize", metavar="TRACE")
     a = ap.parse_args()
     if a.summarize:
-        print_summary(summarize(load_trace(a.summarize)))
+        try:
+            trace = load_trace(a.summarize)
+        except (OSError, ValueError) as e:
+            print(f"step_profile: error: {a.summarize}: {e.strerror if isinstance(e, OSError) else e}", file=sys.stderr)
+            return 2
+        if not isinstance(trace, dict) or "traceEvents" not in trace:
+            print(f"step_profile: error: {a.summarize}: not a profiler trace (no traceEvents)", file=sys.stderr)
+            return 2
+        print_summary(summarize(trace), a.summarize)
         return 0
     if not a.out or not a.rows:
         ap.error("OUT.json and --rows are required")

@@ -464,7 +464,7 @@ class Trainer(Stateful):
         gc_handler = GarbageCollection(gc_freq=cfg.training.gc_freq, debug=cfg.training.gc_debug)
 
         with training_profiler(cfg.profiling, global_step=self.step, base_folder=cfg.job.dump_folder,
-                               device=self.device) as prof:
+                               device=self.device, last_step=cfg.training.steps) as prof:
             while self.step < cfg.training.steps:
                 self.step += 1
                 stop.poll()  # shares this rank's stop flag while the step runs

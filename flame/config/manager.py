@@ -309,8 +309,13 @@ class FlameConfigManager(ConfigManager):
         line gives them, its options over its job file (``flame.config.help``)."""
         from flame.config.help import format_help
 
+        return format_help(self.help_config(args), prog, self.toml_path(args))
+
+    def help_config(self, args: list[str]):
+        """The config a command line gives, its options over its job file, unchecked (what
+        ``--help`` shows as each option's value)."""
         config, _ = self._parse_cli([a for a in args if a not in ("-h", "--help")])
-        return format_help(config, prog, self.toml_path(args))
+        return config
 
     def parse_args(self, args: list[str] | None = None):
         args = list(sys.argv[1:] if args is None else args)
@@ -409,7 +414,7 @@ def validate(cfg) -> None:
     for key, value in (("training.dataset", t.dataset), ("validation.dataset", getattr(cfg.validation, "dataset", None))):
         missing = missing_local_source(value)
         if missing:
-            raise ConfigError(f"{key}: {missing!r} does not exist")
+            raise ConfigError(f"{key}: {missing!r} " + ("matches no file" if glob.has_magic(missing) else "does not exist"))
     tok = cfg.model.tokenizer_path
     if tok and looks_like_a_local_path(tok) and not os.path.isdir(os.path.expanduser(tok)):
         raise ConfigError(f"model.tokenizer_path: {tok!r}: no such folder")
@@ -466,8 +471,9 @@ def validate(cfg) -> None:
     prof = cfg.profiling
     if prof.enable_profiling and (prof.profiler_warmup < 0 or prof.profiler_active < 1
                                   or prof.profile_freq < prof.profiler_warmup + prof.profiler_active):
-        raise ConfigError(f"profiling.profile_freq {prof.profile_freq}: must be >= profiling.profiler_warmup "
-                          f"({prof.profiler_warmup}, >= 0) + profiling.profiler_active ({prof.profiler_active}, >= 1)")
+        raise ConfigError(f"profiling.profile_freq {prof.profile_freq}: a profiling cycle must hold "
+                          f"profiling.profiler_warmup ({prof.profiler_warmup}, at least 0) + profiling.profiler_active "
+                          f"({prof.profiler_active}, at least 1) steps")
     validate_lora(cfg)
 
 

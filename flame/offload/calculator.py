@@ -44,8 +44,9 @@ HELP_OPTIONS = (
 def help_text(args: list[str]) -> str:
     from flame.config.help import format_entries, help_entries
 
-    base = FlameConfigManager().base_config(args)
-    entries = [e for e in help_entries(base) if e[0] == "offload" or e[1].split()[0][2:] in HELP_OPTIONS]
+    # the values this command line gives, its options over its job file (as train.sh --help shows them)
+    config = FlameConfigManager().help_config(args)
+    entries = [e for e in help_entries(config) if e[0] == "offload" or e[1].split()[0][2:] in HELP_OPTIONS]
     profiles = ", ".join(os.path.relpath(p) for p in BUNDLED_PROFILES) or "none"
     intro = f"""usage: python -m flame.offload.plan [--job.config_file X.toml] [--section.key VALUE ...]
 
@@ -74,7 +75,8 @@ def _profile_for(job) -> str | None:
     if not BUNDLED_PROFILES:
         raise ConfigError("offload.profile: required without a GPU (path of a stored hardware profile JSON)")
     print(f"offload: no GPU here and no --offload.profile: planning with the bundled measured profile "
-          f"{BUNDLED_PROFILES[0]}")
+          f"{BUNDLED_PROFILES[0]} (its GPU and its host's CPU cores; the host memory budget is this machine's "
+          f"unless --offload.host_memory_gib gives one)")
     return BUNDLED_PROFILES[0]
 
 

@@ -45,7 +45,7 @@ def test_without_a_gpu_the_plan_is_the_whole_cap():
 
 
 def test_a_cap_the_driver_alone_exceeds_is_one_error_naming_it():
-    with pytest.raises(ConfigError, match=r"offload.gpu_memory_gib=0.5: needs more than"):
+    with pytest.raises(ConfigError, match=r"offload.gpu_memory_gib=0.5: must be more than"):
         gpu_budget(0.5, 2.0, 80 * GiB, context_bytes=600 * MiB)
 
 

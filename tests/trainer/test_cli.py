@@ -205,3 +205,19 @@ def test_plan_without_gpu_uses_the_bundled_profile(tmp_path, capsys):
     notes = [line for line in out.splitlines() if "bundled measured profile" in line]
     assert len(notes) == 1 and plan.BUNDLED_PROFILES[0] in notes[0]
     assert "offload plan:" in out
+
+
+def test_plan_help_shows_the_job_it_plans(capsys):
+    """``python -m flame.offload.plan --help`` shows the values of the job it would plan: train.sh's
+    default tiny job (not fla.toml underneath it), with the command line's options on top."""
+    from flame.launch import default_job
+    from flame.offload.calculator import main
+
+    base = default_job()
+    model, seq = base[base.index("--model.config") + 1], base[base.index("--training.seq_len") + 1]
+    assert seq != str(FlameConfigManager().base_config([]).training.seq_len)
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert f"--model.config STR  [{model}]" in out and f"--training.seq_len INT  [{seq}]" in out
+    assert main(["--training.seq_len", "512", "--help"]) == 0
+    assert "--training.seq_len INT  [512]" in capsys.readouterr().out

@@ -117,10 +117,10 @@ def test_bad_values_each_name_themselves(tmp_path):
              (["--training.varlen", "--training.seq_len", "16", "--training.context_len", "32"],
               "set --training.context_len"),
              (["--training.dataset", str(tmp_path / "no_corpus")], "training.dataset: '.*no_corpus' does not exist"),
-             (["--training.dataset", f"{CORPUS},{tmp_path}/shards/*.jsonl"], r"training.dataset: '.*shards/\*.jsonl' does not exist"),
+             (["--training.dataset", f"{CORPUS},{tmp_path}/shards/*.jsonl"], r"training.dataset: '.*shards/\*.jsonl' matches no file"),
              (["--model.tokenizer_path", "./no_tokenizer_here"], "model.tokenizer_path: './no_tokenizer_here': no such folder"),
              (["--profiling.enable_profiling", "--profiling.profile_freq", "3"],
-              r"profiling.profile_freq 3: must be >= profiling.profiler_warmup \(3, >= 0\) \+ profiling.profiler_active")]
+              r"profiling.profile_freq 3: a profiling cycle must hold profiling.profiler_warmup \(3, at least 0\) \+ profiling.profiler_active \(1, at least 1\) steps")]
     for extra, says in cases:
         with pytest.raises(ConfigError, match=says):
             FlameConfigManager().parse_args(["--model.config", CONFIG, "--job.dump_folder", str(tmp_path / "run"),

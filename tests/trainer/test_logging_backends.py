@@ -37,11 +37,12 @@ def test_tensorboard_and_wandb_offline_write_under_the_dump_folder(tmp_path, mon
 
 def test_profiling_writes_a_trace_of_the_chosen_step_on_cpu(tmp_path):
     """torchtitan's profiler lists GPU activity even without a GPU (torch.profiler refuses that):
-    on CPU the trainer profiles the CPU only, on torchtitan's schedule and in its folder layout."""
+    on CPU the trainer profiles the CPU only, on torchtitan's schedule and in its folder layout. The
+    run's end stops the profiler in the next cycle's warmup (step 3): no trace for that."""
     import json
 
     dump = str(tmp_path / "run")
-    run_job(1, dump, "--training.steps", "2", "--checkpoint.no-enable", "--profiling.enable_profiling",
+    run_job(1, dump, "--training.steps", "3", "--checkpoint.no-enable", "--profiling.enable_profiling",
             "--profiling.profile_freq", "2", "--profiling.profiler_warmup", "1", "--profiling.profiler_active", "1")
     traces = sorted(glob.glob(os.path.join(dump, "profile_trace", "iteration_*", "rank0_trace.json")))
     assert [os.path.basename(os.path.dirname(t)) for t in traces] == ["iteration_2"], traces
@@ -49,3 +50,24 @@ def test_profiling_writes_a_trace_of_the_chosen_step_on_cpu(tmp_path):
         events = json.load(f)["traceEvents"]
     assert any(str(e.get("name", "")).startswith("ProfilerStep#") for e in events)
     assert any("aten::mm" == e.get("name") or "aten::addmm" == e.get("name") for e in events)
+
+
+def test_profiling_warns_when_the_run_ends_before_the_first_trace(caplog):
+    import logging
+    from types import SimpleNamespace
+
+    import torch
+
+    from flame.components.profiling import training_profiler
+
+    cfg = SimpleNamespace(enable_profiling=True, save_traces_folder="profile_trace", profile_freq=512,
+                          profiler_warmup=3, profiler_active=1)
+    with caplog.at_level(logging.WARNING, logger="flame.components.profiling"):
+        with training_profiler(cfg, global_step=0, base_folder="/nonexistent", device=torch.device("cpu"),
+                               last_step=100) as prof:
+            assert prof is not None
+    assert "profiling.profile_freq 512: this run ends at step 100, before its first trace (step 512)" in caplog.text
+    cfg.enable_profiling = False
+    with training_profiler(cfg, global_step=0, base_folder="/nonexistent", device=torch.device("cpu"),
+                           last_step=100) as prof:
+        assert prof is None

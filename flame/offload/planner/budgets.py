@@ -62,8 +62,9 @@ def gpu_budget(gpu_memory_gib: float, margin_gib: float, device_total: int,
     outside = context_bytes + OUTSIDE_ALLOCATOR_GROWTH_BYTES
     allocator = min(cap, device_total) - outside
     if allocator <= 0:
-        raise ConfigError(f"offload.gpu_memory_gib={gpu_memory_gib}: needs more than {outside / GiB:.2f} GiB, the CUDA "
-                          "context and driver memory outside torch's allocator, other processes' memory on this GPU included")
+        raise ConfigError(f"offload.gpu_memory_gib={gpu_memory_gib}: must be more than {outside / GiB:.2f} GiB (the "
+                          "budget also holds the CUDA context, driver memory outside torch's allocator and other "
+                          "processes' memory on this GPU)")
     return GpuBudget(cap_bytes=cap, outside_allocator_bytes=outside, allocator_bytes=allocator,
                      plan_bytes=int(allocator * (1 - FRAGMENTATION_HEADROOM)))
 
