@@ -32,7 +32,9 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 
+LAUNCH_TIME = time.time()  # the run summary's wall time counts from here
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
@@ -338,7 +340,12 @@ def main(argv: list[str]) -> int:
     shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None  # RAM: a full disk cannot hide the outcome
     _remove_orphaned_outcome_dirs(shm or tempfile.gettempdir())
     outcome_dir = tempfile.mkdtemp(prefix=f"flame-outcome-{os.getpid()}-", dir=shm)
-    env.update(FLAME_OUTCOME_DIR=outcome_dir, FLAME_LAUNCHER_PID=str(os.getpid()))
+    env.update(FLAME_OUTCOME_DIR=outcome_dir, FLAME_LAUNCHER_PID=str(os.getpid()), FLAME_LAUNCH_TIME=str(LAUNCH_TIME))
+    # torchrun gives every worker TORCH_NCCL_ASYNC_ERROR_HANDLING=1 unless it is set; torchtitan then
+    # sets 3 (what its flight recorder needs) with a warning on every run. The worker drops
+    # torchrun's default (launch_worker.py); a value the user set stays, and so does the warning
+    if "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in env:
+        env["FLAME_DROP_TORCHRUN_NCCL_DEFAULT"] = "1"
     if nnode == "1" and not port:
         rdzv_args, rdzv = ["--standalone"], "a free local port (torchrun --standalone)"
     else:

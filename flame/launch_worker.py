@@ -16,6 +16,8 @@ _guard = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_guard)
 _guard.die_with_launcher()
 
+if os.environ.pop("FLAME_DROP_TORCHRUN_NCCL_DEFAULT", None):
+    os.environ.pop("TORCH_NCCL_ASYNC_ERROR_HANDLING", None)  # torchrun's default (see flame/launch.py)
 if sys.path and os.path.abspath(sys.path[0] or ".") == _here:
     del sys.path[0]  # the script's folder: flame's subpackages must not become top-level modules
 runpy.run_module("flame.train", run_name="__main__", alter_sys=True)

@@ -185,6 +185,13 @@ class MetricsLogger:
         self.backend.close()
 
 
+def _since_launch() -> float | None:
+    try:
+        return max(0.0, time.time() - float(os.environ["FLAME_LAUNCH_TIME"]))
+    except (KeyError, ValueError):
+        return None
+
+
 def run_summary(trainer) -> dict:
     """What a finished launch did and where its outputs are (the same on every rank's view)."""
     cfg, m = trainer.cfg, trainer.metrics
@@ -206,7 +213,9 @@ def run_summary(trainer) -> dict:
         "validation_step": m.last_validation.get("step"),
         "tokens_seen": trainer.ntokens_seen * trainer.dp_degree,
         "tokens_this_launch": tokens,
-        "wall_time_s": now - m.created,
+        # from train.sh's start when it launched this run (imports, data workers and compilation
+        # included), else from the metrics' creation
+        "wall_time_s": _since_launch() or now - m.created,
         "train_time_s": train_time,
         "tokens_per_second": tokens / train_time if train_time > 0 else None,
         "gpu_memory_peak_gib": m.memory_peak_gib if m.device.type == "cuda" else None,

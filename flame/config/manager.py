@@ -173,6 +173,8 @@ def _check_value(key: str, tp, value: str) -> None:
     if typing.get_origin(tp) is Literal or any(typing.get_origin(a) is Literal for a in args):
         choices = [str(x) for a in args for x in typing.get_args(a)]
         raise ConfigError(f"--{key} {value!r}: must be one of {', '.join(choices)}")
+    if isinstance(value, str) and value.startswith("--"):
+        raise ConfigError(f"--{key}: no value (the next argument, {value!r}, is an option); expected {type_name(tp)}")
     raise ConfigError(f"--{key} {value!r}: expected {type_name(tp)}")
 
 

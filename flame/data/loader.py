@@ -7,6 +7,7 @@ import json
 import multiprocessing
 import multiprocessing.forkserver
 import sys
+import warnings
 from typing import Any, Iterator
 
 import torch.distributed as dist
@@ -53,7 +54,10 @@ class FlameDataLoader(ParallelAwareDataloader):
     """
 
     def __init__(self, dataset: PackedDataset, dp_rank: int, dp_world_size: int, **kwargs: Any):
-        super().__init__(dataset, dp_rank, dp_world_size, batch_size=None, **kwargs)
+        with warnings.catch_warnings():
+            # torchdata's own call of a deprecated torch function, on every run; nothing to act on
+            warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
+            super().__init__(dataset, dp_rank, dp_world_size, batch_size=None, **kwargs)
         self.packed = dataset
         self._consumers: dict[str, dict] = {}
         self._next_worker = 0

@@ -59,8 +59,8 @@ def _load_error(spec: SourceSpec, e: Exception) -> ConfigError:
     if not os.path.exists(spec.path) and spec.path not in _BUILDER_NAMES:
         return ConfigError(
             f"training.dataset: {spec.path!r} is not a local path and could not be read from the local "
-            f"Hugging Face cache (name={spec.name!r}; offline machines need it cached "
-            f"first, e.g. with datasets.load_dataset on a connected machine): {msg}"
+            f"Hugging Face cache{f' (training.dataset_name {spec.name!r})' if spec.name else ''}; offline machines "
+            f"need it cached first, e.g. with datasets.load_dataset on a connected machine: {msg}"
         )
     return ConfigError(f"training.dataset: {spec.path!r} could not be loaded: {msg}")
 

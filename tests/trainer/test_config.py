@@ -76,6 +76,8 @@ def test_defaults_keep_final_checkpoint_resumable():
         (["--training.batchsize", "3"], "did you mean 'training.batch_size'"),
         (["--optimzer.lr", "3"], "did you mean 'optimizer.lr'"),
         (["--training.steps", "ten"], "--training.steps 'ten'"),
+        (["--training.steps", "--job.dump_folder", "x"],
+         "--training.steps: no value (the next argument, '--job.dump_folder', is an option); expected integer"),
         (["--lr_scheduler.decay_type", "exp"], "must be one of linear, sqrt, cosine"),
         (["--training.seq_len", "1"], "training.seq_len 1"),
         (["--training.varlen", "--training.context_len", "9000", "--training.seq_len", "4096"], "training.context_len 9000"),

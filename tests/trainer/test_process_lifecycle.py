@@ -123,6 +123,7 @@ def test_launcher_lock_side_by_side_and_kill9(tmp_path):
             time.sleep(0.5)
         # SIGUSR1 to the whole job: the workers print their stacks, and nothing stops
         os.killpg(job_a.pid, signal.SIGUSR1)
+        started_c = time.time()
         job_c = _train_sh(c, "--training.steps", "3")  # its own dump folder and port, next to a
         job_b = _train_sh(a, "--training.steps", "3")  # same dump folder: refused
         _, err_b = job_b.communicate(timeout=240)
@@ -131,6 +132,10 @@ def test_launcher_lock_side_by_side_and_kill9(tmp_path):
         _, err_c = job_c.communicate(timeout=300)
         assert job_c.returncode == 0 and err_c == "", err_c
         assert len(losses(c)) == 3 and job_a.poll() is None
+        # the summary's wall time counts from train.sh's start: imports and setup included
+        with open(os.path.join(c, "summary.json")) as f:
+            summary = json.load(f)
+        assert summary["train_time_s"] + 1.0 < summary["wall_time_s"] < time.time() - started_c, summary
     finally:
         os.killpg(job_a.pid, signal.SIGKILL)
     out_a, err_a = job_a.communicate(timeout=30)

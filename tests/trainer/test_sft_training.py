@@ -65,6 +65,9 @@ def test_train_sh_sft_loss_falls_and_resumes_exactly(tmp_path):
     ls = losses(full)
     assert len(ls) == 16 and sum(ls[-4:]) / 4 < sum(ls[:4]) / 4 - 1.0, ls
     assert "trained tok/s" in proc.stdout + proc.stderr
+    # a routine run prints no library noise: torchtitan's NCCL variable override, torchdata's deprecation
+    for noise in ("will be overridden", "is deprecated"):
+        assert noise not in proc.stdout + proc.stderr, noise
     split = str(tmp_path / "split")
     # in this process (no start-up cost); the same job as train.sh's, stopped at step 8 and relaunched
     base = tiny_job(split, *common)

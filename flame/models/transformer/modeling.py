@@ -6,6 +6,8 @@ State-dict keys equal FLA's ``TransformerForCausalLM`` (model.embeddings, model.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -20,6 +22,10 @@ from flame.models.attention.dispatch import reads_max_seqlen, uses_flex_varlen, 
 from flame.models.transformer.configuration import TransformerConfig
 from flame.ops.attention import positions_from_cu_seqlens
 from flame.ops.swiglu import swiglu_linear
+
+# the outputs' cache field: `cache` in newer transformers 5 releases (`past_key_values` still works there,
+# with a deprecation warning), `past_key_values` before
+_CACHE_FIELD = "cache" if "cache" in {f.name for f in dataclasses.fields(CausalLMOutputWithPast)} else "past_key_values"
 
 
 class RMSNorm(nn.Module):
@@ -229,9 +235,9 @@ class TransformerModel(TransformerPreTrainedModel):
             all_hidden.append(hidden_states)
         return BaseModelOutputWithPast(
             last_hidden_state=hidden_states,
-            past_key_values=past_key_values if use_cache else None,
             hidden_states=tuple(all_hidden) if output_hidden_states else None,
             attentions=tuple(all_attn) if output_attentions else None,
+            **{_CACHE_FIELD: past_key_values if use_cache else None},
         )
 
 
@@ -304,6 +310,6 @@ class TransformerForCausalLM(TransformerPreTrainedModel, GenerationMixin):
         else:
             logits = self.lm_head(hidden)
         return CausalLMOutputWithPast(
-            loss=loss, logits=logits, past_key_values=out.past_key_values,
-            hidden_states=out.hidden_states, attentions=out.attentions,
+            loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions,
+            **{_CACHE_FIELD: getattr(out, _CACHE_FIELD)},
         )
