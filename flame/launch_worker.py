@@ -9,6 +9,9 @@ import importlib.util
 import os
 import runpy
 import sys
+import time
+
+os.environ["FLAME_WORKER_START"] = repr(time.time())  # start-up split (flame/utils/startup.py)
 
 _here = os.path.dirname(os.path.abspath(__file__))
 _spec = importlib.util.spec_from_file_location("_flame_process_guard", os.path.join(_here, "utils", "process_guard.py"))

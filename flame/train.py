@@ -37,6 +37,7 @@ from flame.errors import ConfigError, NonFiniteError
 from flame.models import build as model_build
 from flame.models.cpu import prepare_model_build
 from flame.models.fla_requirements import missing_backend
+from flame.utils.startup import mark_imports_done, startup_split
 from flame.offload.gpu_cap import apply_gpu_cap
 from flame.offload import maybe_offload
 from flame.utils import outcome, run_lock
@@ -449,6 +450,9 @@ class Trainer(Stateful):
             return self._already_finished()
         stop = self.stop_request or StopRequest()
         stop.attach(torch.distributed.get_world_size())
+        split = startup_split()
+        if split:
+            logger.info(f"Start-up: {split}")
         logger.info(
             f"Training from step {self.step + 1} to {cfg.training.steps}: batch {cfg.training.local_batch_size} x "
             f"seq {cfg.training.seq_len} x accumulation {cfg.training.gradient_accumulation_steps} x dp {self.dp_degree}"
@@ -602,6 +606,7 @@ def _print_stacks_on_sigusr1() -> None:
 def main(argv: list[str] | None = None) -> int:
     """Exit codes: 0 done, 2 user error (one ``flame: error:`` line), 3 NaN/Inf, 128 + N stopped by
     signal N (after saving), 1 internal error (traceback)."""
+    mark_imports_done()
     init_logger()
     die_with_launcher()
     _print_stacks_on_sigusr1()

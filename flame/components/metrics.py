@@ -13,6 +13,8 @@ import torch
 from torchtitan.components.metrics import _build_metric_logger
 from torchtitan.tools.logging import logger
 
+from flame.utils.startup import seconds_since_launch
+
 
 def peak_rss_bytes() -> int:
     """This process's peak resident memory. Linux: ``VmHWM``, the process's own; ``ru_maxrss``
@@ -185,13 +187,6 @@ class MetricsLogger:
         self.backend.close()
 
 
-def _since_launch() -> float | None:
-    try:
-        return max(0.0, time.time() - float(os.environ["FLAME_LAUNCH_TIME"]))
-    except (KeyError, ValueError):
-        return None
-
-
 def run_summary(trainer) -> dict:
     """What a finished launch did and where its outputs are (the same on every rank's view)."""
     cfg, m = trainer.cfg, trainer.metrics
@@ -215,7 +210,7 @@ def run_summary(trainer) -> dict:
         "tokens_this_launch": tokens,
         # from train.sh's start when it launched this run (imports, data workers and compilation
         # included), else from the metrics' creation
-        "wall_time_s": _since_launch() or now - m.created,
+        "wall_time_s": seconds_since_launch() or now - m.created,
         "train_time_s": train_time,
         "tokens_per_second": tokens / train_time if train_time > 0 else None,
         "gpu_memory_peak_gib": m.memory_peak_gib if m.device.type == "cuda" else None,

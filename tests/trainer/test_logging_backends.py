@@ -71,3 +71,17 @@ def test_profiling_warns_when_the_run_ends_before_the_first_trace(caplog):
     with training_profiler(cfg, global_step=0, base_folder="/nonexistent", device=torch.device("cpu"),
                            last_step=100) as prof:
         assert prof is None
+
+
+def test_startup_split_adds_up(monkeypatch):
+    from flame.utils import startup
+
+    monkeypatch.delenv("FLAME_LAUNCH_TIME", raising=False)
+    assert startup.startup_split(now=100.0) is None and startup.seconds_since_launch() is None
+    monkeypatch.setenv("FLAME_LAUNCH_TIME", "10.0")
+    monkeypatch.setenv("FLAME_WORKER_START", "18.5")
+    monkeypatch.setattr(startup, "_IMPORTS_DONE", 30.0)
+    assert startup.startup_split(now=42.25) == ("32.2 s since train.sh started (launcher and torchrun 8.5 s, "
+                                                "imports 11.5 s, setup 12.2 s)")
+    monkeypatch.setenv("FLAME_WORKER_START", "not a time")  # the total alone
+    assert startup.startup_split(now=42.25) == "32.2 s since train.sh started"

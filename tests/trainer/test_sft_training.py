@@ -3,6 +3,7 @@ loss falls on the bundled sample, and a resumed run continues the exact loss seq
 
 import copy
 import os
+import re
 import subprocess
 import sys
 
@@ -68,6 +69,9 @@ def test_train_sh_sft_loss_falls_and_resumes_exactly(tmp_path):
     # a routine run prints no library noise: torchtitan's NCCL variable override, torchdata's deprecation
     for noise in ("will be overridden", "is deprecated"):
         assert noise not in proc.stdout + proc.stderr, noise
+    # where start-up went, from train.sh's start: launcher, imports, setup
+    assert re.search(r"Start-up: [\d.]+ s since train.sh started \(launcher and torchrun [\d.]+ s, imports [\d.]+ s, "
+                     r"setup [\d.]+ s\)", proc.stdout + proc.stderr), (proc.stdout + proc.stderr)[-3000:]
     split = str(tmp_path / "split")
     # in this process (no start-up cost); the same job as train.sh's, stopped at step 8 and relaunched
     base = tiny_job(split, *common)
