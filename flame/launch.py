@@ -39,6 +39,18 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 
+# The config check before any process starts (flame.utils.dump_folder). Parsing needs flame's config
+# modules only; the package's __init__ registers every model family with transformers, which
+# imports FLA and its Triton kernels (seconds, before every launch), so the check runs under a bare
+# `flame` package object instead.
+CONFIG_CHECK = (
+    "import sys, types\n"
+    f"package = types.ModuleType('flame'); package.__path__ = [{HERE!r}]; sys.modules['flame'] = package\n"
+    "from flame.utils.dump_folder import main\n"
+    "sys.exit(main(sys.argv[1:]))\n"
+)
+
+
 def _load_run_lock():
     # by path: importing the flame package would import torch and FLA into the launcher
     spec = importlib.util.spec_from_file_location("_flame_run_lock", os.path.join(HERE, "utils", "run_lock.py"))
@@ -290,7 +302,7 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGUSR1, job.on_stack_request)
 
     # parse and check the whole config once, before any process is spawned
-    resolve = subprocess.Popen([python, "-m", "flame.utils.dump_folder", *args], env=env,
+    resolve = subprocess.Popen([python, "-c", CONFIG_CHECK, *args], env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     ngpu = os.environ.get("NGPU")
     if not ngpu:

@@ -221,3 +221,23 @@ def test_plan_help_shows_the_job_it_plans(capsys):
     assert f"--model.config STR  [{model}]" in out and f"--training.seq_len INT  [{seq}]" in out
     assert main(["--training.seq_len", "512", "--help"]) == 0
     assert "--training.seq_len INT  [512]" in capsys.readouterr().out
+
+
+def test_launch_config_check_parses_without_importing_fla(tmp_path):
+    """train.sh's check before any process starts parses the whole command line (bad values are
+    one-line errors there) without flame's model registration, which imports FLA and Triton."""
+    import subprocess
+    import sys
+
+    from flame.launch import CONFIG_CHECK
+
+    probe = CONFIG_CHECK.replace("sys.exit(main(sys.argv[1:]))", "rc = main(sys.argv[1:]); print('fla' in sys.modules, rc)")
+    assert probe != CONFIG_CHECK
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    dump = str(tmp_path / "run")
+    out = subprocess.run([sys.executable, "-c", probe, "--job.dump_folder", dump, "--training.steps", "3"],
+                         cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == [dump, "False", "0"], out.stdout + out.stderr[-2000:]
+    bad = subprocess.run([sys.executable, "-c", CONFIG_CHECK, "--training.steps", "0"],
+                         cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.startswith("flame: error: training.steps 0"), bad.stderr[-2000:]
