@@ -283,3 +283,15 @@ def test_step_profile_summary_sums_gpu_time_by_category():
     assert s["by_category_ms"] == {"flame_attention": 0.3, "gemm": 0.2, "copy_or_fill": 0.1, "inductor_fused": 0.05}
     assert s["gpu_kernel_sum_ms"] == 0.65 and s["gpu_busy_ms"] == 0.55 and s["gpu_span_ms"] == 0.7
     assert [k["name"] for k in s["top_kernels"]][:2] == ["attn_bwd_dkdv_kernel", "nvjet_sm90_tst_256x128"]
+
+
+def test_rows_with_a_speed_target_run_long_enough_for_a_steady_median():
+    rows = {r.name: r for r in acceptance.all_rows(8)}
+    targeted = {r.name for r in rows.values() if r.target_ratio} | {r.reference for r in rows.values() if r.target_ratio}
+    targeted.add("flame_readme")
+    assert {"paper_softpick", "paper_rectified", "paper_sdpa"} <= targeted
+    for name in targeted:
+        row = rows[name]
+        given = row.args[row.args.index("--training.steps") + 1]
+        assert row.steps >= acceptance.TARGET_MIN_STEPS and given == str(row.steps), (name, row.steps, given)
+    assert rows["paper_vanilla"].steps == 8  # the others keep --steps
