@@ -147,8 +147,9 @@ FLA_KERNEL_FAMILIES = ("gla", "delta", "gated", "gsa", "hgrn2", "retention", "ma
 CONFIGS_7B = ["transformer_7B", "softpick_transformer_7B", "vanilla_transformer_7B", "gla_7B"]
 
 
-# rows whose tokens/s meet a target (a ratio to a reference row, or the fla-org README's tokens/s)
-# and the reference row run at least this many steps: the median then spans 10 steps, not 4
+# the speed rows of the fla-org README and the softpick paper (a tokens/s target, a ratio to
+# paper_sdpa) and that reference run at least this many steps: the median then spans 10 steps, not 4
+# (the SFT, LoRA and Muon rows keep their own step counts)
 TARGET_MIN_STEPS = 20
 
 

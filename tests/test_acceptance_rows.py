@@ -287,9 +287,8 @@ def test_step_profile_summary_sums_gpu_time_by_category():
 
 def test_rows_with_a_speed_target_run_long_enough_for_a_steady_median():
     rows = {r.name: r for r in acceptance.all_rows(8)}
-    targeted = {r.name for r in rows.values() if r.target_ratio} | {r.reference for r in rows.values() if r.target_ratio}
-    targeted.add("flame_readme")
-    assert {"paper_softpick", "paper_rectified", "paper_sdpa"} <= targeted
+    targeted = {"flame_readme", "paper_softpick", "paper_rectified", "paper_sdpa"}
+    assert {rows[n].reference for n in targeted if rows[n].target_ratio} == {"paper_sdpa"}
     for name in targeted:
         row = rows[name]
         given = row.args[row.args.index("--training.steps") + 1]
