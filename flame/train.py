@@ -260,9 +260,7 @@ class Trainer(Stateful):
                                                adapter_params=adapter_params)["total"]
         peak = None
         if self.device.type == "cuda":
-            from torchtitan.tools.utils import get_peak_flops
-
-            peak = get_peak_flops(torch.cuda.get_device_name(self.device))
+            peak = peak_flops(torch.cuda.get_device_name(self.device))
         self.metrics = MetricsLogger(cfg, pd, self.device, self.flops_per_token, peak, t.steps)
         if torch.distributed.get_rank() == 0:
             self._write_resolved_config()
@@ -601,6 +599,29 @@ def _print_stacks_on_sigusr1() -> None:
             continue
         faulthandler.register(signal.SIGUSR1, file=own, all_threads=True)  # faulthandler keeps `own` open
         return
+
+
+def peak_flops(device_name: str) -> float:
+    """torchtitan's peak bf16 FLOP/s of a GPU. It reads ``lspci`` to tell H100 variants apart and,
+    where lspci is not installed (most containers), warns on every run before it falls back to the
+    device name, which torch already gives as "H100 PCIe" / "H100 NVL": that warning is dropped."""
+    import logging
+    import shutil
+
+    from torchtitan.tools.logging import logger as titan_logger
+    from torchtitan.tools.utils import get_peak_flops
+
+    if shutil.which("lspci") is not None:
+        return get_peak_flops(device_name)
+
+    def no_lspci_warning(record: logging.LogRecord) -> bool:
+        return "lspci" not in record.getMessage()
+
+    titan_logger.addFilter(no_lspci_warning)
+    try:
+        return get_peak_flops(device_name)
+    finally:
+        titan_logger.removeFilter(no_lspci_warning)
 
 
 def main(argv: list[str] | None = None) -> int:

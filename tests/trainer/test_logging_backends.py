@@ -85,3 +85,22 @@ def test_startup_split_adds_up(monkeypatch):
                                                 "imports 11.5 s, setup 12.2 s)")
     monkeypatch.setenv("FLAME_WORKER_START", "not a time")  # the total alone
     assert startup.startup_split(now=42.25) == "32.2 s since train.sh started"
+
+
+def test_peak_flops_without_lspci_has_no_warning(monkeypatch, caplog):
+    """Without lspci torchtitan warns on every run before using the device name; flame drops that
+    one warning and keeps the value."""
+    import logging
+    import shutil
+
+    from torchtitan.tools.utils import get_peak_flops
+
+    from flame.train import peak_flops
+
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    monkeypatch.setenv("PATH", "/nonexistent")  # no lspci for torchtitan's subprocess either
+    with caplog.at_level(logging.WARNING):
+        got = peak_flops("NVIDIA H100 80GB HBM3")
+    assert "lspci" not in caplog.text
+    assert got == get_peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert "lspci" in caplog.text  # torchtitan's own call still warns: the filter is gone afterwards
