@@ -411,15 +411,14 @@ def validate(cfg) -> None:
         raise ConfigError(f"model.config {cfg.model.config!r}: no such file")
     if os.path.exists(cfg.job.dump_folder) and not os.path.isdir(cfg.job.dump_folder):
         raise ConfigError(f"job.dump_folder {cfg.job.dump_folder!r}: a file, not a folder")
-    from flame.data.options import looks_like_a_local_path, missing_local_source
+    from flame.data.options import missing_local_source
+    from flame.data.tokenizer import check_local_tokenizer_path
 
     for key, value in (("training.dataset", t.dataset), ("validation.dataset", getattr(cfg.validation, "dataset", None))):
         missing = missing_local_source(value)
         if missing:
             raise ConfigError(f"{key}: {missing!r} " + ("matches no file" if glob.has_magic(missing) else "does not exist"))
-    tok = cfg.model.tokenizer_path
-    if tok and looks_like_a_local_path(tok) and not os.path.isdir(os.path.expanduser(tok)):
-        raise ConfigError(f"model.tokenizer_path: {tok!r}: no such folder")
+    check_local_tokenizer_path(cfg.model.tokenizer_path)
     if t.local_batch_size < 1:
         raise ConfigError(f"training.batch_size {t.local_batch_size}: must be >= 1")
     if t.seq_len < 2:

@@ -66,15 +66,21 @@ def pad_token_id(tokenizer: Any) -> int:
     return 0
 
 
+def check_local_tokenizer_path(path: str | None) -> None:
+    """A ``model.tokenizer_path`` that names a local folder (not a hub id) must exist: checked by
+    train.sh before any process starts, and again where the tokenizer is loaded."""
+    from flame.data.options import looks_like_a_local_path
+
+    if path and not os.path.isdir(path) and looks_like_a_local_path(path):
+        raise ConfigError(f"model.tokenizer_path: {path!r}: no such folder")
+
+
 def load_tokenizer(path: str | None) -> Any:
     from transformers import AutoTokenizer
 
     if not path:
         raise ConfigError("model.tokenizer_path: not set; point it at a tokenizer folder (e.g. flame/assets/tokenizer)")
-    from flame.data.options import looks_like_a_local_path
-
-    if not os.path.isdir(path) and looks_like_a_local_path(path):
-        raise ConfigError(f"model.tokenizer_path: {path!r}: no such folder")
+    check_local_tokenizer_path(path)
     try:
         if os.path.isdir(path):
             return AutoTokenizer.from_pretrained(path)

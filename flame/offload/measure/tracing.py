@@ -280,10 +280,11 @@ def model_costs(config, dtype, micro_batches, seq_len: int, loss_chunk_tokens: i
         try:
             full = build(config)
             full_blocks = find_blocks(full)
-            shallow = _two_block_config(config, full_blocks[1])
+            shallow_config = _two_block_config(config, full_blocks[1])
+            shallow = build(shallow_config) if shallow_config else None
             out = {}
             for mb in micro_batches:
-                costs = repeated_block_costs(trace(build(shallow), mb), full_blocks) if shallow else None
+                costs = repeated_block_costs(trace(shallow, mb), full_blocks) if shallow else None
                 out[mb] = costs or trace(full, mb)
             return out
         except (RuntimeError, NotImplementedError, ValueError) as e:
