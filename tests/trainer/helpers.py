@@ -145,19 +145,27 @@ def tiny_job(dump: str, *extra: str, config: str = TINY_LLAMA, precision: str | 
 
 def train_in_process(args: list[str], before_train=None):
     """Parse ``args`` (e.g. from `tiny_job`) and train in this process (one rank, gloo); returns the
-    closed Trainer. ``before_train(trainer)`` may wrap its methods first."""
+    closed Trainer. ``before_train(trainer)`` may wrap its methods first. The process's environment
+    is restored afterwards: the trainer's setup sets variables (torchtitan's flight-recorder
+    settings, ...) that a later `bash train.sh` of this process would inherit, also when the run is
+    a module's fixture (conftest's per-test restore starts after those)."""
     from flame.config.manager import FlameConfigManager
     from flame.train import Trainer
 
-    trainer = Trainer(FlameConfigManager().parse_args(args))
+    saved = dict(os.environ)
     try:
-        if before_train is not None:
-            before_train(trainer)
-        trainer.train()
+        trainer = Trainer(FlameConfigManager().parse_args(args))
+        try:
+            if before_train is not None:
+                before_train(trainer)
+            trainer.train()
+        finally:
+            trainer.close()
+            if torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
     finally:
-        trainer.close()
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(saved)
     return trainer
 
 
