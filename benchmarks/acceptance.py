@@ -164,6 +164,10 @@ def all_rows(steps: int, muon_steps: int | None = None) -> list[Row]:
     # the same command again in a fresh process: inductor's and flame's tile caches are now warm
     rows += [Row("flame_readme_warm", "readme", "the same command again (warm compile and tile caches)",
                 flame_readme(steps), steps, 420)]
+    # the same command with torch's varlen_attn in place of FlexAttention for the document mask
+    # (group "probe": a measurement of a setting, not a command of the README)
+    rows += [Row("flame_readme_varlen_attn", "probe", "fla-org/flame README command with FLAME_VARLEN_SOFTMAX=varlen",
+                 flame_readme(target_steps), target_steps, 420, env={"FLAME_VARLEN_SOFTMAX": "varlen"})]
     # flame's own README: the 7B transformer under a 16 GiB GPU budget (the TOML's batch and schedule)
     rows.append(Row("readme_7B_offload", "readme", "flame README: transformer_7B, --offload.enable auto "
                     "--offload.gpu_memory_gib 16 (fla.toml's 8 x 2048, eager)",
@@ -693,7 +697,8 @@ def longest_first(rows: list[Row], paths: list[str]) -> list[Row]:
 def status(paths: list[str], rows: list[Row]) -> str:
     """Every row's latest result over the result files `paths` (by their dates; a row not run in
     a later file keeps its earlier result), with the file and commit it came from; rows no file
-    ran are listed as such. Markdown."""
+    ran are listed as such; probe rows (measurements of a setting) are left out. Markdown."""
+    rows = [r for r in rows if r.group != "probe"]
     latest = latest_results(paths)
     lines = ["| row | group | exit | tokens/s | peak reserved GiB | loss first -> last | device | commit | file |",
              "|---|---|---|---|---|---|---|---|---|"]
