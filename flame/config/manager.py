@@ -413,6 +413,9 @@ def validate(cfg) -> None:
         raise ConfigError(f"job.dump_folder {cfg.job.dump_folder!r}: a file, not a folder")
     from flame.data.options import missing_local_source
     from flame.data.tokenizer import check_local_tokenizer_path
+    from flame.utils.kernel_env import check_kernel_env
+
+    check_kernel_env()
 
     for key, value in (("training.dataset", t.dataset), ("validation.dataset", getattr(cfg.validation, "dataset", None))):
         missing = missing_local_source(value)

@@ -90,7 +90,7 @@ def test_large_logits(mode):
     check(kernel(q, k, v, do, mode), reference(q, k, v, do, mode), f"large {mode}")
 
 
-@pytest.mark.parametrize("impl", ["sdpa", "sdpa_varlen_attn", "flex", "fla", "triton", "softpick", "scaled_softpick",
+@pytest.mark.parametrize("impl", ["sdpa", "sdpa_flex", "flex", "fla", "triton", "softpick", "scaled_softpick",
                                   "rectified"])
 @pytest.mark.parametrize("varlen", [False, True])
 def test_dispatch_backends(impl, varlen, monkeypatch):
@@ -98,8 +98,8 @@ def test_dispatch_backends(impl, varlen, monkeypatch):
     from flame.models.attention import attention, get_backend
 
     torch.manual_seed(3)
-    if impl == "sdpa_varlen_attn":
-        monkeypatch.setenv("FLAME_VARLEN_SOFTMAX", "varlen")
+    if impl == "sdpa_flex":
+        monkeypatch.setenv("FLAME_VARLEN_SOFTMAX", "flex")
         impl = "sdpa"
     b = get_backend(impl)
     q, k, v, do = make(1, 700, 8, 2, 128)

@@ -216,13 +216,19 @@ def test_save_and_load_roundtrip(tmp_path):
 
 
 class _OnCuda:
-    is_cuda = True  # stands for a CUDA tensor: only the device matters to reads_max_seqlen
+    """Stands for a CUDA tensor of activations: only the device and dtype matter to the dispatch checks."""
+    is_cuda = True
+
+    def __init__(self, dtype=torch.bfloat16):
+        self.dtype = dtype
 
 
 @pytest.mark.parametrize("name, env, reads", [
     ("sdpa", "flex", False),      # FlexAttention: document mask from cu_seqlens, no max_seqlen
     ("sdpa", "varlen", True),     # torch varlen_attn takes max_seqlen
+    ("sdpa", None, True),         # varlen_attn by default
     ("fla", "flex", False),
+    ("flex", "varlen", False),    # attn_impl flex: FlexAttention whatever the variable says
     ("triton", "flex", True),     # flame's kernels size their grid by it
     ("parallel_softpick_attn", "flex", True),
     ("naive_softpick_attn", "varlen", False),
@@ -233,6 +239,50 @@ def test_max_seqlen_host_sync_only_where_read(monkeypatch, name, env, reads):
     from flame.models.attention import get_backend
     from flame.models.attention.dispatch import reads_max_seqlen
 
-    monkeypatch.setenv("FLAME_VARLEN_SOFTMAX", env)
-    assert reads_max_seqlen(get_backend(name), _OnCuda()) is reads
-    assert reads_max_seqlen(get_backend(name), torch.zeros(1)) is False
+    if env is None:
+        monkeypatch.delenv("FLAME_VARLEN_SOFTMAX", raising=False)
+    else:
+        monkeypatch.setenv("FLAME_VARLEN_SOFTMAX", env)
+    assert reads_max_seqlen(get_backend(name), _OnCuda(), 64) is reads
+    assert reads_max_seqlen(get_backend(name), torch.zeros(1), 64) is False
+
+
+@pytest.mark.parametrize("dtype, head_dim, autocast, flex", [
+    (torch.bfloat16, 64, False, False),    # varlen_attn (flash)
+    (torch.float16, 256, False, False),
+    (torch.float32, 64, False, True),      # flash takes half precision only
+    (torch.float32, 64, True, False),      # ... which autocast gives the projections
+    (torch.bfloat16, 512, False, True),    # nor head dims above 256
+])
+def test_varlen_softmax_kernel_choice(monkeypatch, dtype, head_dim, autocast, flex):
+    """Softmax over documents on GPU: torch's varlen_attn by default, FlexAttention (with the mask the
+    model builds once per forward) where flash cannot run the layer, or always with FLAME_VARLEN_SOFTMAX=flex."""
+    from flame.models.attention import get_backend
+    from flame.models.attention import dispatch
+
+    monkeypatch.delenv("FLAME_VARLEN_SOFTMAX", raising=False)
+    if dispatch._varlen_attn() is None:
+        pytest.skip("this torch has no torch.nn.attention.varlen")
+    monkeypatch.setattr(torch, "is_autocast_enabled", lambda device=None: autocast)
+    monkeypatch.setattr(torch, "get_autocast_dtype", lambda device: torch.bfloat16)
+    backend = get_backend("sdpa")
+    assert dispatch.uses_flex_varlen(backend, _OnCuda(dtype), None, head_dim) is flex
+    assert dispatch.reads_max_seqlen(backend, _OnCuda(dtype), head_dim) is not flex
+    monkeypatch.setenv("FLAME_VARLEN_SOFTMAX", "flex")
+    assert dispatch.uses_flex_varlen(backend, _OnCuda(dtype), None, head_dim) is True
+
+
+def test_kernel_env_bad_value_is_one_config_error(monkeypatch):
+    """A FLAME_VARLEN_SOFTMAX or FLAME_ATTN_AUTOTUNE value the kernels do not know is a ConfigError
+    naming it (train.sh's config check calls check_kernel_env: tests/trainer/test_cli.py)."""
+    from flame.errors import ConfigError
+    from flame.utils.kernel_env import check_kernel_env
+
+    monkeypatch.setenv("FLAME_VARLEN_SOFTMAX", "flash")
+    with pytest.raises(ConfigError, match="FLAME_VARLEN_SOFTMAX='flash': expected one of varlen, flex"):
+        check_kernel_env()
+    monkeypatch.setenv("FLAME_VARLEN_SOFTMAX", "")   # empty: the default
+    check_kernel_env()
+    monkeypatch.setenv("FLAME_ATTN_AUTOTUNE", "yes")
+    with pytest.raises(ConfigError, match="FLAME_ATTN_AUTOTUNE='yes'"):
+        check_kernel_env()

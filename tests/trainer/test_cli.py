@@ -241,3 +241,8 @@ def test_launch_config_check_parses_without_importing_fla(tmp_path):
     bad = subprocess.run([sys.executable, "-c", CONFIG_CHECK, "--training.steps", "0"],
                          cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.startswith("flame: error: training.steps 0"), bad.stderr[-2000:]
+    # flame's kernel variables are checked there too, also on a machine where no kernel reads them
+    bad_env = subprocess.run([sys.executable, "-c", CONFIG_CHECK, "--training.steps", "3"], cwd=str(tmp_path),
+                             env=dict(env, FLAME_VARLEN_SOFTMAX="flash"), capture_output=True, text=True, timeout=120)
+    assert bad_env.returncode == 2, bad_env.stderr[-2000:]
+    assert bad_env.stderr == "flame: error: FLAME_VARLEN_SOFTMAX='flash': expected one of varlen, flex\n"

@@ -6,41 +6,60 @@ Paths (q: [B, Tq, HQ, D], k/v: [B, Tk, HK, D]):
 * softpick / rectified on CUDA -> flame's Triton kernels
 * softmax, decode / padding / window -> SDPA with an explicit boolean mask
 * softmax dense -> SDPA (causal), FLA parallel_attn, flame Triton or FlexAttention per impl
-* softmax with cu_seqlens -> GPU: torch varlen_attn or FlexAttention (``FLAME_VARLEN_SOFTMAX``),
+* softmax with cu_seqlens -> GPU: torch varlen_attn (flash attention; bf16/fp16, head dim <= 256),
+  else FlexAttention with a document mask (always for impl 'flex', or with ``FLAME_VARLEN_SOFTMAX=flex``);
   CPU: SDPA with a dense block-diagonal causal mask (FlexAttention has no CPU backward)
 """
 from __future__ import annotations
 
 import inspect
-import os
 
 import torch
 import torch.nn.functional as F
 
 from flame.models.attention.registry import AttentionBackend
 from flame.ops.attention import build_valid_mask, naive_attention, parallel_attention, triton_interpreting
+from flame.utils.kernel_env import kernel_env
 
 
 def _on_gpu(x: torch.Tensor) -> bool:
     return x.is_cuda or triton_interpreting()
 
 
-def reads_max_seqlen(backend: AttentionBackend, x: torch.Tensor) -> bool:
-    """Whether `attention` with ``cu_seqlens`` on x's device uses ``max_seqlen`` (the caller then
-    computes it once per forward: a host sync); FlexAttention and the CPU paths do not."""
+def reads_max_seqlen(backend: AttentionBackend, x: torch.Tensor, head_dim: int) -> bool:
+    """Whether `attention` with ``cu_seqlens`` uses ``max_seqlen`` in a layer of head dim `head_dim`
+    whose input activations are `x` (the caller then computes it once per forward: a host sync);
+    FlexAttention and the CPU paths do not."""
     if backend.impl == "naive" or not _on_gpu(x):
         return False
     if backend.rows != "softmax" or backend.impl == "triton":
         return True
-    return backend.impl != "fla" and x.is_cuda and os.environ.get("FLAME_VARLEN_SOFTMAX", "flex") == "varlen"
+    return backend.impl not in ("fla", "flex") and x.is_cuda and _softmax_varlen_attn(_compute_dtype(x), head_dim)
 
 
-def uses_flex_varlen(backend: AttentionBackend, x: torch.Tensor, window_size: int | None) -> bool:
-    """Whether `attention` with ``cu_seqlens`` on x's device runs FlexAttention with a document
+def uses_flex_varlen(backend: AttentionBackend, x: torch.Tensor, window_size: int | None, head_dim: int) -> bool:
+    """Whether `attention` with ``cu_seqlens`` in such a layer runs FlexAttention with a document
     mask (the caller may then build the mask once per forward with `varlen_block_mask`)."""
     if backend.rows != "softmax" or backend.impl in ("naive", "fla", "triton") or window_size is not None:
         return False
-    return x.is_cuda and not (os.environ.get("FLAME_VARLEN_SOFTMAX", "flex") == "varlen" and _varlen_attn() is not None)
+    return x.is_cuda and (backend.impl == "flex" or not _softmax_varlen_attn(_compute_dtype(x), head_dim))
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype of the projections of activations `x`: autocast's where it is on, else x's own."""
+    device = "cuda" if x.is_cuda else "cpu"
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
+VARLEN_ATTN_DTYPES = (torch.bfloat16, torch.float16)
+VARLEN_ATTN_MAX_HEAD_DIM = 256
+
+
+def _softmax_varlen_attn(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether softmax attention with ``cu_seqlens`` on GPU runs torch's varlen_attn: its flash kernel
+    takes half precision and head dims up to 256; other inputs take FlexAttention."""
+    return (kernel_env("FLAME_VARLEN_SOFTMAX") == "varlen" and _varlen_attn() is not None
+            and dtype in VARLEN_ATTN_DTYPES and head_dim <= VARLEN_ATTN_MAX_HEAD_DIM)
 
 
 def attention(
@@ -89,9 +108,7 @@ def attention(
     if q.is_cuda:
         if cu_seqlens is None:
             return _flex(q, k, v, scale, None), None
-        # FlexAttention by default: faster than torch's varlen_attn on H100 (benchmarks/attention.py times both)
-        how = os.environ.get("FLAME_VARLEN_SOFTMAX", "flex")
-        if how == "varlen" and _varlen_attn() is not None:
+        if backend.impl != "flex" and _softmax_varlen_attn(q.dtype, d):
             return _torch_varlen(q, k, v, scale, cu_seqlens, max_seqlen), None
         return _flex(q, k, v, scale, cu_seqlens, block_mask=block_mask), None
     if cu_seqlens is None:

@@ -208,9 +208,9 @@ class TransformerModel(TransformerPreTrainedModel):
         if cu_seqlens is not None:
             if past_len:
                 raise ValueError("cu_seqlens cannot be combined with a non-empty KV cache")
-            if max_seqlen is None and any(reads_max_seqlen(l.attn.backend, inputs_embeds) for l in self.layers):
+            if max_seqlen is None and any(reads_max_seqlen(l.attn.backend, inputs_embeds, l.attn.head_dim) for l in self.layers):
                 max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max().item())
-            if any(uses_flex_varlen(l.attn.backend, inputs_embeds, l.attn.window_size) for l in self.layers):
+            if any(uses_flex_varlen(l.attn.backend, inputs_embeds, l.attn.window_size, l.attn.head_dim) for l in self.layers):
                 # once per forward, outside the (compiled) blocks
                 block_mask = varlen_block_mask(B * T, cu_seqlens, inputs_embeds.device)
         positions = self._positions(B, T, inputs_embeds.device, position_ids, cu_seqlens, attention_mask, past_len)

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, NamedTuple
 
-from flame.errors import ConfigError
 from flame.utils.cache_dir import cache_dir as user_cache_dir
+from flame.utils.kernel_env import kernel_env
 
 logger = logging.getLogger(__name__)
 
@@ -232,10 +232,7 @@ def tuned_configs() -> dict[str, str]:
 
 
 def autotune_mode() -> str:
-    value = os.environ.get("FLAME_ATTN_AUTOTUNE", "1")
-    if value not in ("0", "1", "force"):
-        raise ConfigError(f"FLAME_ATTN_AUTOTUNE={value!r}: expected 0, 1 or force")
-    return value
+    return kernel_env("FLAME_ATTN_AUTOTUNE")
 
 
 # milliseconds of repeated launches timed per candidate: short at a run's first use of a shape,
