@@ -109,7 +109,8 @@ def parse_sources(
 ) -> tuple[SourceSpec, ...]:
     if dataset is None or not str(dataset).strip():
         raise ConfigError(f"{field_prefix}.dataset: {dataset!r} is empty; name at least one data source")
-    paths = [p.strip() for p in str(dataset).split(",")]
+    # "~" starts no hub id: a home-relative path, expanded here as the check before the launch does
+    paths = [os.path.expanduser(p.strip()) for p in str(dataset).split(",")]
     if any(not p for p in paths):
         raise ConfigError(f"{field_prefix}.dataset: {dataset!r} has an empty entry")
     n = len(paths)

@@ -16,7 +16,7 @@ import numpy as np
 
 from flame.data.documents import BadRows, RowLocator, tokenize_texts
 from flame.data.holdout import held_out, held_out_rows
-from flame.data.options import SourceSpec, looks_like_a_local_path
+from flame.data.options import SourceSpec, missing_local_source
 from flame.data.shards import ShardReader, is_token_folder
 from flame.errors import ConfigError
 
@@ -108,7 +108,7 @@ def open_hf(spec: SourceSpec, split: str, streaming: bool, role: str, bad_docume
         builder, files = files
     if builder is not None:
         path, kwargs["data_files"], split = builder, files, "train"
-    elif looks_like_a_local_path(path) and not os.path.exists(path):
+    elif missing_local_source(path):
         raise ConfigError(f"training.dataset: {path!r} does not exist")
     if path == "text":
         kwargs["sample_by"] = "document"  # one document per .txt file

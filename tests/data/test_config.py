@@ -161,6 +161,22 @@ def test_bad_sources_name_the_value(tmp_path, tok):
         build(tok, dataset=str(empty))
 
 
+def test_home_relative_dataset_path_loads(tmp_path, tok, monkeypatch):
+    """A dataset path starting with "~" (e.g. from a TOML, where no shell expands it) is the same
+    path for train.sh's check before the launch and for the loader."""
+    from flame.data.options import missing_local_source, parse_sources
+    from flame_data_testlib import build
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    write_jsonl(tmp_path / "corpus.jsonl", text_docs(20))
+    assert missing_local_source("~/corpus.jsonl") is None
+    assert parse_sources("~/corpus.jsonl")[0].path == str(tmp_path / "corpus.jsonl")
+    assert next(iter(build(tok, dataset="~/corpus.jsonl"))) is not None
+    assert missing_local_source("~/nope.jsonl") == "~/nope.jsonl"
+    with pytest.raises(ConfigError, match="nope.jsonl' does not exist"):
+        build(tok, dataset="~/nope.jsonl")
+
+
 def test_preprocess_cli_bad_input_exits_nonzero(tmp_path):
     r = subprocess.run([sys.executable, "-m", "flame.utils.preprocess", "--dataset", str(tmp_path / "missing.jsonl"),
                         "--tokenizer", TOKENIZER, "--output", str(tmp_path / "out")],
