@@ -275,6 +275,28 @@ def test_a_host_too_small_for_fp32_states_names_the_bf16_options_that_fit(costs)
     with pytest.raises(ConfigError, match=r"host_margin_gib\)$"):  # bf16 already: nothing to suggest
         plan(bf16, bf16_need // 2)
 
+
+def test_a_host_too_small_for_the_speculative_spare_names_the_option_that_fits(costs):
+    """The speculative step keeps a spare master and moments per host block: when only that is
+    what does not fit, the error names --offload.speculative_step first, with the host bytes of
+    the plan without it (and the bf16 options after, where they fit too)."""
+    from flame.offload.planner.solver import solve_micro_batches
+
+    def plan(host, speculative):
+        return solve_micro_batches({2: costs}, 2, prof(), Dtypes(), 3 * GiB, host, 15, overrides=["weights[*]=host"],
+                                   speculative_step=speculative)[0]
+
+    plain_need = plan(64 * GiB, False).predicted["peak_host_bytes"]
+    spare_need = plan(64 * GiB, True).predicted["peak_host_bytes"]
+    budget = (plain_need + spare_need) // 2
+    assert plain_need < budget < spare_need
+    with pytest.raises(ConfigError) as e:
+        plan(budget, True)
+    msg = str(e.value)
+    without = f"without --offload.speculative_step (its spare master and moments) it plans {plain_need / GiB:.1f} GiB"
+    assert without in msg
+    assert msg.index(without) < msg.index("with bf16 optimizer state")
+
 def test_plan_file_and_profile_roundtrip(costs, tmp_path):
     plan = solve(costs, prof(), Dtypes(), 3 * GiB, 64 * GiB, 2, 1, 15)
     plan.save(tmp_path / "p.json")

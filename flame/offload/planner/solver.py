@@ -249,19 +249,40 @@ def solve_micro_batches(costs_of: dict[int, ModelCosts], step_sequences: int, pr
         if best is None or plan.predicted["step_s"] < best.predicted["step_s"] - 1e-12:
             best, best_costs = plan, costs_of[mb]
     if best is None:
-        wide = [name for name in ("master", "moment", "grad") if DTYPE_BYTES[getattr(dt, name)] > 2]
-        if isinstance(missing, HostShortfall) and wide:
-            narrow = dataclasses.replace(dt, **{name: "bfloat16" for name in wide})
-            try:
-                plan, _ = solve_micro_batches(costs_of, step_sequences, prof, narrow, gpu_budget, host_budget,
-                                              cpu_threads, fudges, **kw)
-            except ConfigError:
-                raise missing from None
-            options = " ".join(f"--offload.{name}_dtype bfloat16" for name in wide)
-            raise HostShortfall(f"{missing}; with bf16 optimizer state ({options}) it plans "
-                                f"{plan.predicted['peak_host_bytes'] / GiB:.1f} GiB") from None
+        if isinstance(missing, HostShortfall):
+            hints = _host_shortfall_hints(costs_of, step_sequences, prof, dt, gpu_budget, host_budget, cpu_threads,
+                                          fudges, kw)
+            if hints:
+                raise HostShortfall(f"{missing}; {'; '.join(hints)}") from None
         raise missing
     return best, best_costs
+
+
+def _host_shortfall_hints(costs_of, step_sequences, prof, dt, gpu_budget, host_budget, cpu_threads, fudges,
+                          kw) -> list[str]:
+    """The options that would make a plan fit a host budget nothing fits now, each with the host
+    bytes of the plan it gives: without the speculative step (no spare master and moments; the
+    same numerics), then bf16 optimizer state (master, moments, grads: half the bytes)."""
+    def host_gib(dtypes, **changes) -> float | None:
+        try:
+            plan, _ = solve_micro_batches(costs_of, step_sequences, prof, dtypes, gpu_budget, host_budget,
+                                          cpu_threads, fudges, **{**kw, **changes})
+        except ConfigError:
+            return None
+        return plan.predicted["peak_host_bytes"] / GiB
+
+    hints = []
+    if kw.get("speculative_step"):
+        gib = host_gib(dt, speculative_step=False)
+        if gib is not None:
+            hints.append(f"without --offload.speculative_step (its spare master and moments) it plans {gib:.1f} GiB")
+    wide = [name for name in ("master", "moment", "grad") if DTYPE_BYTES[getattr(dt, name)] > 2]
+    if wide:
+        gib = host_gib(dataclasses.replace(dt, **{name: "bfloat16" for name in wide}))
+        if gib is not None:
+            options = " ".join(f"--offload.{name}_dtype bfloat16" for name in wide)
+            hints.append(f"with bf16 optimizer state ({options}) it plans {gib:.1f} GiB")
+    return hints
 
 
 def _offload_counts(costs: ModelCosts, prof: HardwareProfile, micro_batch: int) -> list[int]:
