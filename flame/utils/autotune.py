@@ -12,9 +12,7 @@ short jobs, not for speed measurements. Off (0) by default. The trainer's setup 
 
 from __future__ import annotations
 
-import os
-
-from flame.errors import ConfigError
+from flame.utils.kernel_env import kernel_env
 
 ENV = "FLAME_AUTOTUNE_MAX_CONFIGS"
 
@@ -46,12 +44,6 @@ def limit_autotune(k: int) -> None:
 
 
 def limit_autotune_from_env() -> None:
-    raw = os.environ.get(ENV, "0").strip() or "0"
-    try:
-        k = int(raw)
-    except ValueError:
-        raise ConfigError(f"{ENV}={raw!r}: expected a non-negative integer") from None
-    if k < 0:
-        raise ConfigError(f"{ENV}={raw!r}: expected a non-negative integer")
+    k = int(kernel_env(ENV))
     if k:
         limit_autotune(k)
