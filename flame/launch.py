@@ -238,7 +238,7 @@ def _shutdown_timeout_args() -> list[str]:
         supported = "--shutdown_timeout" in text or "--shutdown-timeout" in text
     except OSError:
         supported = False
-    return ["--shutdown_timeout", os.environ.get("FLAME_SHUTDOWN_TIMEOUT", "120")] if supported else []
+    return ["--shutdown_timeout", (os.environ.get("FLAME_SHUTDOWN_TIMEOUT") or "120")] if supported else []
 
 
 def _remove_orphaned_outcome_dirs(parent: str) -> None:
@@ -264,7 +264,7 @@ def environment_error(environ) -> str | None:
             return f"flame: error: {name}={v!r}: expected a whole number >= {least}"
         return None
 
-    for name, least in (("NGPU", 1), ("NNODE", 1), ("NODE_RANK", 0), ("MASTER_PORT", 1)):
+    for name, least in (("NGPU", 1), ("NNODE", 1), ("NODE_RANK", 0), ("MASTER_PORT", 1), ("FLAME_SHUTDOWN_TIMEOUT", 0)):
         problem = whole_number_error(name, least)
         if problem:
             return problem
@@ -280,6 +280,17 @@ def environment_error(environ) -> str | None:
     python = environ.get("PYTHON")
     if python and not shutil.which(python):
         return f"flame: error: PYTHON={python!r}: no such executable"
+    return None
+
+
+def log_rank_error(ranks: str | None, nproc_per_node: int) -> str | None:
+    """``LOG_RANK`` naming a local rank the job does not have (the console would stay silent)."""
+    if not ranks:
+        return None
+    beyond = [r.strip() for r in ranks.split(",") if int(r) >= nproc_per_node]
+    if beyond:
+        return (f"flame: error: LOG_RANK={ranks!r}: no local rank {beyond[0]}; this job runs {nproc_per_node} "
+                f"process(es) a node (ranks 0-{nproc_per_node - 1})")
     return None
 
 
@@ -309,10 +320,21 @@ def main(argv: list[str]) -> int:
         ngpu = subprocess.run([python, "-c", "import torch; print(max(torch.cuda.device_count(), 1))"],
                               env=env, capture_output=True, text=True).stdout.strip() or "1"
     out, err = resolve.communicate()
-    if resolve.returncode != 0:
+    rc = resolve.returncode
+    if rc != 0:
         lines = [l for l in err.splitlines() if l.startswith("flame: error:")]
+        missing = [l for l in err.splitlines() if l.startswith(("ModuleNotFoundError:", "ImportError:"))]
+        if not lines and missing:
+            # the interpreter, not the job: one line that says which and what to do
+            lines = [f"flame: error: {python} cannot import flame's dependencies ({missing[-1]}); run train.sh "
+                     "in the environment flame is installed in (pip install -e .) or set PYTHON to its python"]
+            rc = 2
         sys.stderr.write((lines[-1] + "\n") if lines else err)
-        return resolve.returncode
+        return rc
+    problem = log_rank_error(os.environ.get("LOG_RANK"), int(ngpu))
+    if problem:
+        print(problem, file=sys.stderr)
+        return 2
     dump = out.strip().splitlines()[-1]
     nnode = os.environ.get("NNODE", "1")
     node_rank = os.environ.get("NODE_RANK", "0")

@@ -87,11 +87,15 @@ PATH_OPTIONS = {
     "offload.profile": False,
     "offload.plan": False,
 }
+# output paths: only a leading ~ is expanded (they stay relative to the working directory)
+OUTPUT_PATH_OPTIONS = ("job.dump_folder", "offload.save_plan")
 
 
 def _locate(path: str, bases: list[str]) -> str:
     """``path`` joined to the first base where it exists (a glob: matches something); unchanged
-    when it is absolute, empty, or found nowhere (a hub id, or a file still to be written)."""
+    when it is absolute, empty, or found nowhere (a hub id, or a file still to be written). A
+    leading ``~`` is the home folder (TOML values and quoted options reach flame unexpanded)."""
+    path = os.path.expanduser(path)
     if not path or os.path.isabs(path) or path == "auto":
         return path
     for base in bases:
@@ -353,6 +357,11 @@ class FlameConfigManager(ConfigManager):
             section, name = key.split(".")
             sec = getattr(config, section)
             setattr(sec, name, resolve_path_option(key, getattr(sec, name), cwd_then_package))
+        for key in OUTPUT_PATH_OPTIONS:
+            section, name = key.split(".")
+            sec = getattr(config, section)
+            if isinstance(getattr(sec, name), str):
+                setattr(sec, name, os.path.expanduser(getattr(sec, name)))
         resolve_aliases(config, given)
         return config, given
 

@@ -62,7 +62,9 @@ def build_plan(model, job_config, device, world: int = 1, threads_from_profile: 
     seq = int(_get(job_config, "training.seq_len", 2048))
     accum = int(_get(job_config, "training.gradient_accumulation_steps", 1) or 1)
     if off.plan != "auto":
-        return Plan.load(off.plan), None, None
+        plan = Plan.load(off.plan)
+        plan.check_shape(off.plan, accum * local, seq)
+        return plan, None, None
     candidates = micro_batch_candidates(local, seq, off.micro_batch_tokens, bool(_get(job_config, "training.varlen", False)))
     cdt = getattr(torch, off.compute_dtype)
     chunk = int(_get(job_config, "training.loss_chunk_tokens", 0) or 0)
@@ -387,7 +389,7 @@ def apply_offload(model, job_config, parallel_dims, device, planned: tuple | Non
         plan = agree_on_plan(plan)
     else:  # agreed on by the ranks when it was made
         plan, costs, prof = planned
-    text = describe(plan, costs) if costs is not None else f"replayed plan {off.plan}: {plan.predicted}"
+    text = describe(plan, costs) if costs is not None else f"replayed plan {off.plan}: {plan.summary()}"
     if off.enable == "auto" and not plan.offloads:
         logger.info("offload: everything fits, plain run\n%s", text)
         return None

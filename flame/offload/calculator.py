@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"flame: error: {e}", file=sys.stderr)
         return 2
     if costs is None:
-        print(f"replaying plan file {off.plan}: predicted {plan.predicted}")
+        print(f"replaying plan file {off.plan}: {plan.summary()}")
     else:
         print(describe(plan, costs))
         if off.enable == "auto" and not plan.offloads:

@@ -306,6 +306,22 @@ def test_plan_file_and_profile_roundtrip(costs, tmp_path):
     assert load(str(tmp_path / "prof.json")) == prof()
     with pytest.raises(ConfigError, match="nope.json"):
         Plan.load(str(tmp_path / "nope.json"))
+    with pytest.raises(ConfigError, match=r"offload.save_plan='/nonexistent_dir/p.json': cannot write it"):
+        plan.save("/nonexistent_dir/p.json")
+
+
+def test_a_replayed_plan_must_be_for_the_run_s_shape(costs):
+    """A plan file holds the micro-batch, rounds and sequence length its memory and time are for:
+    replayed on another shape it is an error naming both, and it prints as one readable line."""
+    plan = solve(costs, prof(), Dtypes(), 3 * GiB, 64 * GiB, 2, 1, 15)   # micro-batch 2, one round
+    plan.check_shape("p.json", 2, plan.seq_len)
+    with pytest.raises(ConfigError, match=f"made for sequences of {plan.seq_len} tokens, the run has training.seq_len 7"):
+        plan.check_shape("p.json", 2, 7)
+    with pytest.raises(ConfigError, match=r"made for 2 x 1 sequences a step .* the run has 4 "):
+        plan.check_shape("p.json", 4, plan.seq_len)
+    line = plan.summary()
+    assert line.startswith(f"{len(plan.layer_modes)} blocks, micro-batch 2x{plan.seq_len}, 1 round(s)/step, "
+                           "predicted step ") and "{" not in line
 
 
 def test_overrides_and_spread(costs):

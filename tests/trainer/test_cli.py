@@ -58,6 +58,7 @@ def test_job_file_paths_resolve_against_its_folder(tmp_path, monkeypatch):
     assert cfg.training.data_files == f",,{jobs / 'data/b/*.jsonl'}"
     assert cfg.validation.dataset == os.path.join(PACKAGE_ROOT, "flame/assets/sample_corpus")  # bundled
     assert cfg.job.dump_folder == "exp/run"
+
     # a relative --job.config_file, and a CLI path relative to the working directory
     (elsewhere / "mine.json").write_text(open(TINY_LLAMA).read())
     cfg = parse("--job.config_file", os.path.relpath(toml), "--model.config", "mine.json")
@@ -65,6 +66,23 @@ def test_job_file_paths_resolve_against_its_folder(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="model.config 'missing.json': no such file"):
         parse("--job.config_file", str(toml), "--model.config", "missing.json")
 
+
+def test_a_leading_tilde_is_the_home_folder_in_every_path_option(tmp_path, monkeypatch):
+    """A TOML value (or a quoted option) reaches flame with its ~ unexpanded: input and output
+    paths take it as the home folder, as a shell would."""
+    home = tmp_path / "home"
+    (home / "tok").mkdir(parents=True)
+    (home / "corpus").mkdir()
+    (home / "model.json").write_text(open(TINY_LLAMA).read())
+    monkeypatch.setenv("HOME", str(home))
+    toml = tmp_path / "job.toml"
+    toml.write_text('[model]\nconfig = "~/model.json"\ntokenizer_path = "~/tok"\n'
+                    '[training]\ndataset = "~/corpus"\n[job]\ndump_folder = "~/runs/a"\n')
+    cfg = parse("--job.config_file", str(toml), "--offload.save_plan", "~/plan.json",
+                "--checkpoint.initial_load_path", "~/tok")
+    assert (cfg.model.config, cfg.model.tokenizer_path) == (str(home / "model.json"), str(home / "tok"))
+    assert (cfg.training.dataset, cfg.job.dump_folder) == (str(home / "corpus"), str(home / "runs/a"))
+    assert (cfg.offload.save_plan, cfg.checkpoint.initial_load_path) == (str(home / "plan.json"), str(home / "tok"))
 
 @pytest.mark.parametrize("toml, fragment", [
     ('[training]\nsteps = "ten"\n', "training.steps = 'ten' in "),

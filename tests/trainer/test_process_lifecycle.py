@@ -179,6 +179,8 @@ def test_outcome_folders_of_launchers_that_are_gone_are_removed(tmp_path):
     ("NNODE", "two", "expected a whole number >= 1"), ("MASTER_PORT", "abc", "expected a whole number >= 1"),
     ("MASTER_PORT", "70000", "at most 65535"), ("NODE_RANK", "1", "must be below NNODE=1"),
     ("LOG_RANK", "x", "rank numbers separated by commas"), ("PYTHON", "/no/such/python", "no such executable"),
+    ("FLAME_SHUTDOWN_TIMEOUT", "abc", "expected a whole number >= 0"),
+    ("LOG_RANK", "0,5", "no local rank 5; this job runs 1 process(es) a node"),   # else a silent console
 ])
 def test_a_bad_launcher_variable_is_one_line_before_anything_starts(tmp_path, name, value, says):
     """train.sh's environment (NGPU, NNODE, NODE_RANK, MASTER_PORT, LOG_RANK, PYTHON): a value torchrun
@@ -191,6 +193,20 @@ def test_a_bad_launcher_variable_is_one_line_before_anything_starts(tmp_path, na
     assert job.returncode == 2, (job.stdout[-2000:], job.stderr)
     assert job.stderr.startswith(f"flame: error: {name}=") and says in job.stderr, job.stderr
     assert len(job.stderr.splitlines()) == 1 and not dump.exists()
+
+
+def test_an_interpreter_without_flame_s_dependencies_is_one_line(tmp_path):
+    """train.sh run by a python that cannot import flame's dependencies (e.g. the environment not
+    activated): one `flame: error:` line naming the interpreter and the missing module, exit 2."""
+    bare = tmp_path / "python-without-site-packages"
+    bare.write_text(f"#!/bin/sh\nexec {sys.executable} -S \"$@\"\n")
+    bare.chmod(0o755)
+    env = dict(os.environ, PYTHONPATH=PYTHONPATH, PYTHON=str(bare), NGPU="1")
+    job = subprocess.run(["bash", TRAIN_SH, "--job.dump_folder", str(tmp_path / "run")], capture_output=True,
+                         text=True, env=env, timeout=120)
+    assert job.returncode == 2, (job.stdout[-2000:], job.stderr[-2000:])
+    assert len(job.stderr.splitlines()) == 1, job.stderr
+    assert job.stderr.startswith(f"flame: error: {bare} cannot import flame's dependencies (ModuleNotFoundError: ")
 
 
 def test_full_disk_during_a_save_is_one_line(tmp_path, run_main, monkeypatch):

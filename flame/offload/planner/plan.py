@@ -8,6 +8,7 @@ import json
 from dataclasses import asdict, dataclass, field
 
 from flame.errors import ConfigError
+from flame.offload.planner.budgets import GiB
 from flame.offload.planner.cost_model import effective_accs
 
 
@@ -56,8 +57,33 @@ class Plan:
         return effective_accs([self.outer_mode] + self.layer_modes, [self.outer_gpu_acc] + self.layer_gpu_acc, self.rounds)
 
     def save(self, path: str) -> None:
-        with open(path, "w") as f:
-            json.dump(asdict(self), f, indent=1)
+        try:
+            with open(path, "w") as f:
+                json.dump(asdict(self), f, indent=1)
+        except OSError as e:
+            raise ConfigError(f"offload.save_plan={path!r}: cannot write it ({e.strerror})") from None
+
+    def summary(self) -> str:
+        """One line: the shape the plan was made for and what it predicted."""
+        pr = self.predicted
+        parts = [f"{len(self.layer_modes)} blocks, micro-batch {self.micro_batch}x{self.seq_len}, "
+                 f"{self.rounds} round(s)/step"]
+        if "step_s" in pr:
+            parts.append(f"predicted step {pr['step_s'] * 1e3:.1f} ms")
+        for key, what in (("peak_gpu_bytes", "peak GPU"), ("peak_host_bytes", "host")):
+            if key in pr:
+                parts.append(f"{what} {pr[key] / GiB:.2f} GiB")
+        return ", ".join(parts)
+
+    def check_shape(self, path: str, step_sequences: int, seq_len: int) -> None:
+        """A replayed plan must be for the run's sequences: its memory and time are for that shape."""
+        if self.seq_len != seq_len:
+            raise ConfigError(f"offload.plan={path!r}: made for sequences of {self.seq_len} tokens, the run has "
+                              f"training.seq_len {seq_len}")
+        if self.micro_batch * self.rounds != step_sequences:
+            raise ConfigError(f"offload.plan={path!r}: made for {self.micro_batch} x {self.rounds} sequences a "
+                              f"step (micro-batch x rounds), the run has {step_sequences} (training.batch_size "
+                              "x gradient_accumulation_steps)")
 
     @staticmethod
     def load(path: str) -> "Plan":
