@@ -37,6 +37,7 @@ from flame.errors import ConfigError, NonFiniteError
 from flame.models import build as model_build
 from flame.models.cpu import prepare_model_build
 from flame.models.fla_requirements import missing_backend
+from flame.models.hf_attention import uses_native_varlen
 from flame.utils.startup import mark_imports_done, startup_split
 from flame.offload.gpu_cap import apply_gpu_cap
 from flame.offload import maybe_offload
@@ -165,6 +166,10 @@ class Trainer(Stateful):
 
         self.tokenizer = build_tokenizer(cfg)
         self.model_config = model_build.load_model_config(cfg.model.config, cfg.model.module)
+        # flame's transformer and HF models (flame's varlen attention) take the data's bound on a
+        # document's length as max_seqlen; FLA's models find it themselves
+        self.inputs_take_max_seqlen = (self.model_config.model_type == "transformer"
+                                       or not uses_native_varlen(self.model_config))
         vocab = model_build.fit_vocab(self.model_config, len(self.tokenizer), cfg.model.vocab_multiple)
         self.dataloader = build_dataloader(cfg, self.tokenizer, self.dp_rank, self.dp_degree)
         self.val_loader = (
@@ -294,9 +299,9 @@ class Trainer(Stateful):
                 "position_ids": batch["position_ids"].reshape(1, -1),
                 "cu_seqlens": batch["cu_seqlens"],
             }
-            if self.model_config.model_type == "transformer":
-                # flame's kernels size their grid by the longest document: the data pipeline's bound
-                # is one value for every step (no host sync, no recompilation when it changes)
+            if self.inputs_take_max_seqlen:
+                # the kernels size their grid by the longest document: the data pipeline's bound is
+                # one value for every step (no host sync in the compiled blocks, no recompilation)
                 t = self.cfg.training
                 inputs["max_seqlen"] = min(t.context_len, t.seq_len)
             return inputs, batch["labels"].reshape(1, -1)

@@ -23,7 +23,9 @@ def flame_varlen_attention(module, query, key, value, attention_mask, scaling=No
     # HF: [B, H, T, D]; flame's dispatch: [B, T, H, D]
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))
     window = getattr(module, "sliding_window", None)
-    out, _ = attention(q, k, v, get_backend("sdpa"), scale=scaling, cu_seqlens=cu_seqlens, window_size=window)
+    # max_seqlen: the trainer's bound on document length (else varlen_attn syncs to compute it)
+    out, _ = attention(q, k, v, get_backend("sdpa"), scale=scaling, cu_seqlens=cu_seqlens,
+                       max_seqlen=kwargs.get("max_seqlen"), window_size=window)
     return out, None
 
 

@@ -37,3 +37,26 @@ def test_native_varlen_detection():
     assert not uses_native_varlen(AutoConfig.from_pretrained(TINY_LLAMA))
     assert uses_native_varlen(AutoConfig.from_pretrained(os.path.join(ROOT, "configs/debug/gla.json")))
     assert uses_native_varlen(AutoConfig.from_pretrained(os.path.join(ROOT, "configs/debug/transformer_tiny.json")))
+
+
+def test_the_trainer_s_document_bound_reaches_flame_s_attention(monkeypatch):
+    """HF models under varlen get the trainer's max_seqlen (the data's bound on a document) down to
+    flame's dispatch, as flame's transformer does: on GPU varlen_attn then needs no host sync."""
+    import flame.models.hf_attention as hf_attention
+
+    seen = []
+    dispatch = hf_attention.attention
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("max_seqlen"))
+        return dispatch(*args, **kwargs)
+
+    monkeypatch.setattr(hf_attention, "attention", spy)
+    cfg = AutoConfig.from_pretrained(TINY_LLAMA)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=NAME).eval()
+    ids = torch.randint(0, cfg.vocab_size, (1, 12))
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    pos = torch.tensor([[*range(5), *range(7)]])
+    with torch.no_grad():
+        model(input_ids=ids, position_ids=pos, cu_seqlens=cu, max_seqlen=8)
+    assert seen == [8] * cfg.num_hidden_layers
