@@ -106,9 +106,12 @@ def _locate(path: str, bases: list[str]) -> str:
 
 
 def resolve_path_option(key: str, value, bases: list[str]):
-    """One PATH_OPTIONS value with every entry located against ``bases`` (first match wins)."""
+    """One PATH_OPTIONS value with every entry located against ``bases`` (first match wins); an
+    OUTPUT_PATH_OPTIONS value with its leading ~ expanded."""
     if not isinstance(value, str) or not value:
         return value
+    if key in OUTPUT_PATH_OPTIONS:
+        return os.path.expanduser(value)
     if not PATH_OPTIONS[key]:
         return _locate(value, bases)
     return ",".join(";".join(_locate(g.strip(), bases) if g.strip() else g for g in entry.split(";"))
@@ -353,15 +356,10 @@ class FlameConfigManager(ConfigManager):
             text = " ".join(w for w in text.split() if "helptext" not in w)
             raise ConfigError(f"command line rejected: {text.split(' For full')[0].strip() or 'invalid arguments'}") from None
         cwd_then_package = [os.getcwd(), PACKAGE_ROOT]
-        for key in PATH_OPTIONS:
+        for key in (*PATH_OPTIONS, *OUTPUT_PATH_OPTIONS):
             section, name = key.split(".")
             sec = getattr(config, section)
             setattr(sec, name, resolve_path_option(key, getattr(sec, name), cwd_then_package))
-        for key in OUTPUT_PATH_OPTIONS:
-            section, name = key.split(".")
-            sec = getattr(config, section)
-            if isinstance(getattr(sec, name), str):
-                setattr(sec, name, os.path.expanduser(getattr(sec, name)))
         resolve_aliases(config, given)
         return config, given
 

@@ -223,7 +223,7 @@ def solve(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, gpu_budget: int,
 
 def solve_micro_batches(costs_of: dict[int, ModelCosts], step_sequences: int, prof: HardwareProfile, dt: Dtypes,
                         gpu_budget: int, host_budget: int, cpu_threads: int, fudges: dict[int, float] | None = None,
-                        **kw) -> tuple[Plan, ModelCosts]:
+                        shortfall_hints: bool = True, **kw) -> tuple[Plan, ModelCosts]:
     """The fastest plan over micro-batches: `costs_of` maps candidate sequences per micro-batch
     (each dividing `step_sequences`) to their measured costs; rounds = step_sequences / micro-batch,
     so every candidate runs the same tokens per step. `fudges`: each candidate's compute scale
@@ -249,7 +249,7 @@ def solve_micro_batches(costs_of: dict[int, ModelCosts], step_sequences: int, pr
         if best is None or plan.predicted["step_s"] < best.predicted["step_s"] - 1e-12:
             best, best_costs = plan, costs_of[mb]
     if best is None:
-        if isinstance(missing, HostShortfall):
+        if shortfall_hints and isinstance(missing, HostShortfall):
             hints = _host_shortfall_hints(costs_of, step_sequences, prof, dt, gpu_budget, host_budget, cpu_threads,
                                           fudges, kw)
             if hints:
@@ -265,8 +265,9 @@ def _host_shortfall_hints(costs_of, step_sequences, prof, dt, gpu_budget, host_b
     same numerics), then bf16 optimizer state (master, moments, grads: half the bytes)."""
     def host_gib(dtypes, **changes) -> float | None:
         try:
+            # a variant that does not fit either needs no hints of its own
             plan, _ = solve_micro_batches(costs_of, step_sequences, prof, dtypes, gpu_budget, host_budget,
-                                          cpu_threads, fudges, **{**kw, **changes})
+                                          cpu_threads, fudges, shortfall_hints=False, **{**kw, **changes})
         except ConfigError:
             return None
         return plan.predicted["peak_host_bytes"] / GiB
