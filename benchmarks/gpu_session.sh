@@ -8,6 +8,8 @@
 #   OFFLOAD_ARGS: benchmarks/offload.py's arguments (e.g. --lanes), run on OFFLOAD_GPUS beside the rest.
 #   PROFILE_ARGS: benchmarks/step_profile.py's arguments, run after the tests on TEST_GPUS (capped at
 #   PROFILE_TIMEOUT_S, default 300 s).
+#   EXPORT_AUTOTUNE=1: at the end, Triton's autotuning results of this call's runs go to
+#   $OUT/autotune_results (the layout flame/utils/autotune_results ships; see flame/utils/autotune.py).
 #   Wheels: .whl, and .whl-tl / .whl-z3 (tilelang, carried in two calls back to back) where present.
 set -uo pipefail
 tag=$1; tests=${2:-}; accept=${3:-}; offload=${4:-}
@@ -67,6 +69,7 @@ copy_logs() {
 copy_logs
 [ -n "$test_pid" ] && wait $test_pid
 [ -n "$offload_pid" ] && wait $offload_pid
+[ -n "${EXPORT_AUTOTUNE:-}" ] && python3 -m flame.utils.autotune export --out "$out/autotune_results"
 copy_logs
 # one archive: the device tool returns a limited number of files a call
 [ -d "$out/logs_$tag" ] && tar czf "$out/logs_$tag.tgz" -C "$out" "logs_$tag" && rm -rf "$out/logs_$tag"

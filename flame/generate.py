@@ -135,8 +135,11 @@ def generate(model, tokenizer, prompt: str, max_new_tokens: int = 64, temperatur
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        from flame.utils.autotune import limit_autotune_from_env
-        limit_autotune_from_env()
+        import torch
+
+        from flame.utils.autotune import prepare_triton_autotune
+        on_gpu = torch.cuda.is_available() and (args.device or 'cuda').startswith('cuda')
+        prepare_triton_autotune('cuda' if on_gpu else 'cpu')
         model, tokenizer, what = load(args.path, args.step, args.dtype)
         text = generate(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_p,
                         args.seed, args.device)

@@ -42,7 +42,7 @@ from flame.utils.startup import mark_imports_done, startup_split
 from flame.offload.gpu_cap import apply_gpu_cap
 from flame.offload import maybe_offload
 from flame.utils import outcome, run_lock
-from flame.utils.autotune import limit_autotune_from_env
+from flame.utils.autotune import prepare_triton_autotune
 from flame.utils.process_guard import StopRequest, die_with_launcher
 
 
@@ -144,8 +144,8 @@ class Trainer(Stateful):
         self.cfg = cfg
         t = cfg.training
         _check_dump_folder(cfg.job.dump_folder)
-        limit_autotune_from_env()
         self.device = local_device()
+        prepare_triton_autotune(self.device.type)
         world_size = init_process_group(cfg.comm, cfg.job.dump_folder)
         # before anything is allocated on the GPU: the allocator's settings and reserved-bytes cap
         apply_gpu_cap(cfg.offload, self.device)
