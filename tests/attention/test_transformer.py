@@ -272,6 +272,25 @@ def test_varlen_softmax_kernel_choice(monkeypatch, dtype, head_dim, autocast, fl
     assert dispatch.uses_flex_varlen(backend, _OnCuda(dtype), None, head_dim) is True
 
 
+def test_the_kernel_choice_traced_in_a_compiled_block_does_not_recompile(monkeypatch):
+    """The choice between varlen_attn and FlexAttention is made inside compiled blocks (HF models
+    reach the dispatch only there): making it twice must not fail a guard of the first trace."""
+    from flame.models.attention import dispatch
+
+    monkeypatch.delenv("FLAME_VARLEN_SOFTMAX", raising=False)
+
+    def choose(x):
+        return x + (2 if dispatch._softmax_varlen_attn(torch.bfloat16, 64) else 1)
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+    fn = torch.compile(choose, backend="eager")
+    x = torch.zeros(3)
+    first = fn(x)
+    torch.testing.assert_close(fn(x), first)
+    torch._dynamo.reset()
+
+
 def test_kernel_env_bad_value_is_one_config_error(monkeypatch):
     """A FLAME_VARLEN_SOFTMAX or FLAME_ATTN_AUTOTUNE value the kernels do not know is a ConfigError
     naming it (train.sh's config check calls check_kernel_env: tests/trainer/test_cli.py)."""

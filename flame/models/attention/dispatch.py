@@ -157,19 +157,21 @@ def _fla_parallel(q, k, v, scale, cu_seqlens):
     return o.reshape(B, T, *o.shape[2:])
 
 
-_VARLEN = None
+def _resolve_varlen_attn():
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+# resolved at import, not on first use: a global set during a compiled block's first trace is a
+# guard that fails on the next call (one recompilation of every compiled block)
+_VARLEN_ATTN = _resolve_varlen_attn()
 
 
 def _varlen_attn():
-    global _VARLEN
-    if _VARLEN is None:
-        try:
-            from torch.nn.attention.varlen import varlen_attn
-
-            _VARLEN = varlen_attn
-        except ImportError:
-            _VARLEN = False
-    return _VARLEN or None
+    return _VARLEN_ATTN
 
 
 def _torch_varlen(q, k, v, scale, cu_seqlens, max_seqlen):
