@@ -122,7 +122,11 @@ def prepare_triton_autotune(device_type: str) -> None:
     """The cap from the environment, and on a CUDA device the shipped results seeded."""
     limit_autotune_from_env()
     if device_type == "cuda":
-        added = seed_autotune_results()
+        try:
+            added = seed_autotune_results()
+        except OSError as e:  # a speed-up only: a cache folder it cannot write leaves tuning to Triton
+            logger.warning("autotune: shipped Triton autotuning results not seeded: %s", e)
+            return
         if added:
             logger.info("autotune: %d shipped Triton autotuning results added to the cache (%s)",
                         added, results_folder().name)

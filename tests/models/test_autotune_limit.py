@@ -110,3 +110,15 @@ def test_export_cli_names_a_missing_cache(tmp_path, capsys):
     assert autotune.main(["export", "--cache", str(tmp_path / "nope"), "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("flame: error: --cache") and "nope" in err[0]
+
+
+def test_an_unwritable_cache_is_a_warning_not_a_failed_run(tmp_path, monkeypatch, caplog):
+    shipped = tmp_path / "shipped"
+    _result_tree(shipped, ["e5"])
+    monkeypatch.setattr(autotune, "results_folder", lambda root=None: shipped)
+    blocker = tmp_path / "file_not_dir"
+    blocker.write_text("")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(blocker / "cache"))  # under a file: mkdir fails
+    with caplog.at_level("WARNING"):
+        autotune.prepare_triton_autotune("cuda")
+    assert "not seeded" in caplog.text
