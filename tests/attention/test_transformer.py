@@ -283,11 +283,11 @@ def test_the_kernel_choice_traced_in_a_compiled_block_does_not_recompile(monkeyp
         return x + (2 if dispatch._softmax_varlen_attn(torch.bfloat16, 64) else 1)
 
     torch._dynamo.reset()
-    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
     fn = torch.compile(choose, backend="eager")
     x = torch.zeros(3)
     first = fn(x)
-    torch.testing.assert_close(fn(x), first)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        torch.testing.assert_close(fn(x), first)
     torch._dynamo.reset()
 
 
