@@ -17,10 +17,11 @@ import re
 import sys
 
 from flame.errors import ConfigError
+from flame.utils.cli import CliParser
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog='python -m flame.generate', description=__doc__.splitlines()[0])
+    p = CliParser(prog='python -m flame.generate', description=__doc__.splitlines()[0])
     p.add_argument('--path', required=True, help='dump folder of a run, or a Hugging Face model folder')
     p.add_argument('--prompt', required=True, help='text to continue')
     p.add_argument('--max_new_tokens', '--max-new-tokens', type=int, default=64, help='tokens to sample (default 64)')
@@ -101,22 +102,34 @@ def load(path: str, step: int | None = None, dtype: str = 'float32'):
     return model, tokenizer, folder
 
 
-def generate(model, tokenizer, prompt: str, max_new_tokens: int = 64, temperature: float = 0.8,
-             top_p: float = 0.95, seed: int = 0, device: str | None = None) -> str:
-    """The prompt followed by the sampled continuation (decoded text)."""
-    import torch
-
+def check_sampling(max_new_tokens: int, temperature: float, top_p: float) -> None:
     if max_new_tokens < 1:
         raise ConfigError(f"--max_new_tokens {max_new_tokens} must be at least 1")
     if temperature < 0:
         raise ConfigError(f"--temperature {temperature} must be >= 0")
     if not 0 < top_p <= 1:
         raise ConfigError(f"--top_p {top_p} must be in (0, 1]")
+
+
+def resolve_device(device: str | None) -> str:
+    """``device``, or cuda where there is one and cpu otherwise; one that cannot run is a ConfigError."""
+    import torch
+
     device = device or ('cuda' if torch.cuda.is_available() else 'cpu')
     if device not in ('cpu', 'cuda') and not device.startswith('cuda:'):
         raise ConfigError(f"--device {device!r} is not cpu or cuda")
     if device.startswith('cuda') and not torch.cuda.is_available():
         raise ConfigError(f"--device {device!r}: no CUDA device here")
+    return device
+
+
+def generate(model, tokenizer, prompt: str, max_new_tokens: int = 64, temperature: float = 0.8,
+             top_p: float = 0.95, seed: int = 0, device: str | None = None) -> str:
+    """The prompt followed by the sampled continuation (decoded text)."""
+    import torch
+
+    check_sampling(max_new_tokens, temperature, top_p)
+    device = resolve_device(device)
     if device == 'cpu':
         from flame.models.cpu import enable_cpu_fallbacks
         enable_cpu_fallbacks(model)  # FLA's ops are Triton-only; a model built before also needs its instances
@@ -135,14 +148,15 @@ def generate(model, tokenizer, prompt: str, max_new_tokens: int = 64, temperatur
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        import torch
-
         from flame.utils.autotune import prepare_triton_autotune
-        on_gpu = torch.cuda.is_available() and (args.device or 'cuda').startswith('cuda')
-        prepare_triton_autotune('cuda' if on_gpu else 'cpu')
+
+        # checked before the model loads: a bad option is one line, not a load's output and then a line
+        check_sampling(args.max_new_tokens, args.temperature, args.top_p)
+        device = resolve_device(args.device)
+        prepare_triton_autotune('cuda' if device.startswith('cuda') else 'cpu')
         model, tokenizer, what = load(args.path, args.step, args.dtype)
         text = generate(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_p,
-                        args.seed, args.device)
+                        args.seed, device)
     except ConfigError as e:
         print(f"flame: error: {e}", file=sys.stderr)
         return 2

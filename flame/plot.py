@@ -9,13 +9,13 @@ self-contained HTML page with inline SVG charts (no scripts, no network).
 
 from __future__ import annotations
 
-import argparse
 import html
 import json
 import os
 import sys
 
 from flame.errors import ConfigError
+from flame.utils.cli import CliParser
 
 # (record key, panel title); records of a relaunched run repeat steps: the latest value wins
 PANELS = [
@@ -153,7 +153,7 @@ def plot(dumps: list[str], out: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m flame.plot", description=__doc__.split("\n\n")[1].replace("\n", " "))
+    parser = CliParser(prog="python -m flame.plot", description=__doc__.split("\n\n")[1].replace("\n", " "))
     parser.add_argument("dumps", nargs="+", metavar="DUMP", help="dump folders of runs (each holds metrics.jsonl)")
     parser.add_argument("--out", default="flame_runs.png",
                         help="file to write: .png (needs matplotlib; .html without it) or .html (default: %(default)s)")

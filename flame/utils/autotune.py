@@ -27,13 +27,13 @@ short jobs, not for speed measurements. Off (0) by default. The trainer's setup 
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import shutil
 import sys
 from pathlib import Path
 
+from flame.utils.cli import CliParser
 from flame.utils.kernel_env import kernel_env
 
 ENV = "FLAME_AUTOTUNE_MAX_CONFIGS"
@@ -133,7 +133,7 @@ def prepare_triton_autotune(device_type: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m flame.utils.autotune",
+    parser = CliParser(prog="python -m flame.utils.autotune",
                                      description="Collect a Triton cache's autotuning results into the "
                                                  "folder flame ships for this Triton version and GPU target.")
     parser.add_argument("command", choices=["export"])

@@ -19,10 +19,11 @@ import os
 import sys
 
 from flame.errors import ConfigError
+from flame.utils.cli import CliParser
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog='python -m flame.utils.convert_dcp_to_hf', description=__doc__.splitlines()[1],
+    p = CliParser(prog='python -m flame.utils.convert_dcp_to_hf', description=__doc__.splitlines()[1],
                                 epilog='Loading a DCP checkpoint unpickles its .metadata (a crafted file runs code): '
                                        'convert only checkpoints you wrote.')
     p.add_argument('--path', required=True, help='dump folder of the training run')

@@ -9,14 +9,14 @@ Bad input: one line on stderr, exit status 2.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 
 from flame.errors import ConfigError
+from flame.utils.cli import CliParser
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog='python -m flame.utils.convert_hf_to_dcp', description=__doc__.splitlines()[1])
+    p = CliParser(prog='python -m flame.utils.convert_hf_to_dcp', description=__doc__.splitlines()[1])
     p.add_argument('--model', required=True, help='Hugging Face model folder (config.json + weights)')
     p.add_argument('--checkpoint', required=True, help='output DCP folder, e.g. DUMP/checkpoint/step-0')
     p.add_argument('--dtype', default='float32', help='stored dtype (default float32: master weights)')

@@ -31,6 +31,7 @@ import os
 import re
 import shutil
 import tempfile
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -137,7 +138,10 @@ def _read_from_dcp(path: str, names: list[str], metadata) -> dict[str, torch.Ten
     """Load just ``names`` from the DCP folder (DCP reads only the requested keys)."""
     import torch.distributed.checkpoint as dcp
     sd = {n: torch.empty(metadata[n].size, dtype=metadata[n].properties.dtype) for n in names}
-    dcp.load(sd, checkpoint_id=path)
+    with warnings.catch_warnings():
+        # a single-process read is the intent here; DCP warns about it on every call
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.load(sd, checkpoint_id=path)
     return sd
 
 

@@ -21,10 +21,11 @@ from flame.data.shards import ShardWriter
 from flame.data.sources import open_hf, pick_column
 from flame.data.tokenizer import load_tokenizer
 from flame.errors import ConfigError
+from flame.utils.cli import CliParser
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m flame.utils.preprocess", description=__doc__,
+    ap = CliParser(prog="python -m flame.utils.preprocess", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dataset", required=True, help="hub id (local cache), local folder, file or glob")
     ap.add_argument("--dataset-name", "--dataset_name", default=None)

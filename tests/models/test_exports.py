@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -215,7 +216,10 @@ def test_generate_from_dump_and_hf_folder(tmp_path, capsys):
     with torch.no_grad():
         want = tok.decode(model.generate(ids, max_new_tokens=5, do_sample=False)[0], skip_special_tokens=True)
     args = ['--prompt', 'def main', '--max_new_tokens', '5', '--temperature', '0', '--device', 'cpu']
-    assert main(['--path', str(dump), *args]) == 0
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter('always')
+        assert main(['--path', str(dump), *args]) == 0
+    assert not [w for w in seen if 'torch.distributed is disabled' in str(w.message)]  # DCP's single-process note
     assert capsys.readouterr().out.strip() == want.strip()
     hf = export_hf(model.state_dict(), model.config, TOKENIZER, str(tmp_path / 'hf'), dtype='float32')
     assert main(['--path', hf, *args]) == 0
@@ -227,3 +231,9 @@ def test_generate_from_dump_and_hf_folder(tmp_path, capsys):
         assert main([*bad, '--prompt', 'x']) == 2
         err = capsys.readouterr().err
         assert err.startswith('flame: error:') and err.count('\n') == 1, err
+    # sampling options are checked before the model loads: only their line, nothing of a load before it
+    for bad, named in ((['--temperature', '-1'], '--temperature -1'), (['--top_p', '0'], '--top_p 0'),
+                       (['--max_new_tokens', '-3'], '--max_new_tokens -3'), (['--device', 'tpu'], "'tpu'")):
+        assert main(['--path', str(dump), '--prompt', 'x', *bad]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith('flame: error:') and err.count('\n') == 1 and named in err, err

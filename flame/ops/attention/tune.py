@@ -11,7 +11,6 @@ file's other GPUs and this GPU's entries of other shapes are kept, the tuned one
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -19,6 +18,7 @@ import sys
 from pathlib import Path
 
 from flame.errors import ConfigError
+from flame.utils.cli import CliParser
 
 DEFAULT_SHAPES = "16x4096x16x64,4x4096x16x128"
 
@@ -80,7 +80,7 @@ def merge_tuned(data: dict, device: str, tuned: dict, source: str, triton_ver: s
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = CliParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, help="shipped-defaults JSON to write (this GPU's block is replaced)")
     p.add_argument("--shapes", default=DEFAULT_SHAPES, help="comma-separated BxTxHxD")
     p.add_argument("--modes", default="softmax,softpick,rectified")
