@@ -87,6 +87,8 @@ def load(path: str, step: int | None = None, dtype: str = 'float32'):
         model, tokenizer, what = _from_checkpoint(path, step, dtype)
         return model, AutoTokenizer.from_pretrained(tokenizer), what
     folder = os.path.join(path, 'hf') if is_dump else path
+    from flame.components.init_from import refuse_adapter_folder
+    refuse_adapter_folder(folder, '--path')
     if not os.path.isfile(os.path.join(folder, 'config.json')):
         hint = 'no checkpoint and no hf export' if is_dump else 'no config.json'
         raise ConfigError(f"--path {path!r} is neither a dump folder with checkpoints nor a model folder ({hint})")

@@ -62,6 +62,7 @@ def follow_init_from(cfg, cli_keys: set[str]) -> None:
         return
     m.init_from = resolve_folder(m.init_from)
     refuse_adapter_folder(m.init_from)
+    refuse_dump_folder(m.init_from)
     if cfg.checkpoint.initial_load_path:
         raise ConfigError(f"{OPTION} and checkpoint.initial_load_path {cfg.checkpoint.initial_load_path!r} both name "
                           "starting weights; give one")
@@ -75,7 +76,7 @@ def follow_init_from(cfg, cli_keys: set[str]) -> None:
         m.tokenizer_path = m.init_from
 
 
-def refuse_adapter_folder(folder: str) -> None:
+def refuse_adapter_folder(folder: str, option: str = OPTION) -> None:
     """A PEFT LoRA folder (flame's ``DUMP/hf_adapter``) holds adapters, not a model: one line says
     which folder to give instead."""
     from flame.lora.export import ADAPTER_CONFIG
@@ -86,9 +87,23 @@ def refuse_adapter_folder(folder: str) -> None:
     with contextlib.suppress(OSError, ValueError, AttributeError):
         with open(os.path.join(folder, ADAPTER_CONFIG)) as f:
             base = json.load(f).get("base_model_name_or_path")
-    raise ConfigError(f"{OPTION} {folder!r}: holds LoRA adapters ({ADAPTER_CONFIG}), not a model; {OPTION} needs "
+    raise ConfigError(f"{option} {folder!r}: holds LoRA adapters ({ADAPTER_CONFIG}), not a model; {option} needs "
                       "the base model's folder: the merged export (DUMP/hf next to DUMP/hf_adapter) or the base "
                       f"model's Hugging Face folder{f' ({base})' if isinstance(base, str) and base else ''}")
+
+
+def refuse_dump_folder(folder: str) -> None:
+    """A run's dump folder (its checkpoints, job_config.json) is not a model folder: one line names
+    its Hugging Face export, or the converter that makes one."""
+    if os.path.isfile(os.path.join(folder, "config.json")) or not (
+            os.path.isfile(os.path.join(folder, "job_config.json")) or os.path.isdir(os.path.join(folder, "checkpoint"))):
+        return
+    hf = os.path.join(folder, "hf")
+    instead = (f"give its Hugging Face export {hf!r}" if os.path.isfile(os.path.join(hf, "config.json")) else
+               f"export a checkpoint first (python -m flame.utils.convert_dcp_to_hf --path {folder} --step N) "
+               f"and give {hf!r}")
+    raise ConfigError(f"{OPTION} {folder!r} is a run's dump folder, not a model folder: {instead} "
+                      "(to continue that run instead, use --job.dump_folder)")
 
 
 def weight_files(folder: str) -> list[str]:

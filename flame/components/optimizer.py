@@ -101,3 +101,15 @@ def build_optimizers(model_parts: list[nn.Module], optimizer_config, device: tor
         def make(model):
             return cls(param_groups(model, c.weight_decay, c.no_weight_decay), **kwargs)
     return GroupedOptimizersContainer(model_parts, make, kwargs)
+
+
+def lr_at_loaded_step(lr_schedulers) -> None:
+    """Set every param group's lr to what this run's schedule gives at the step its schedulers were
+    loaded at. A checkpoint's optimizer state holds the lr of the run that saved it; with the same
+    schedule the value is the same, with another ``training.steps`` or schedule the first resumed
+    step would otherwise run at the old schedule's lr and the next at the new one's."""
+    for s in lr_schedulers.schedulers:
+        lrs = [base * fn(s.last_epoch) for base, fn in zip(s.base_lrs, s.lr_lambdas)]
+        for group, lr in zip(s.optimizer.param_groups, lrs):
+            group["lr"] = lr
+        s._last_lr = lrs

@@ -493,8 +493,13 @@ def validate_lora(cfg) -> None:
     if lora.rank < 0:
         raise ConfigError(f"lora.rank {lora.rank}: must be >= 0 (0: LoRA off)")
     if lora.rank == 0:
-        if lora.export_adapters:
-            raise ConfigError("lora.export_adapters needs LoRA on: set lora.rank > 0")
+        # an adapter option given while LoRA is off would otherwise be a full fine-tune in silence
+        defaults = type(lora)()
+        changed = [f"lora.{name}" for name in ("export_adapters", "alpha", "dropout", "targets")
+                   if getattr(lora, name) != getattr(defaults, name)]
+        if changed:
+            raise ConfigError(f"{', '.join(changed)} given with LoRA off: set lora.rank > 0 "
+                              "(lora.rank 0 trains every weight)")
         return
     if lora.alpha <= 0:
         raise ConfigError(f"lora.alpha {lora.alpha}: must be > 0")

@@ -87,7 +87,9 @@ def test_fsdp_two_ranks_with_block_checkpointing_repeat_one_rank(tmp_path):
 @pytest.mark.parametrize("extra, fragment", [
     (["--lora.rank", "-1"], "lora.rank -1: must be >= 0"),
     (["--lora.rank", "4", "--lora.dropout", "1"], "lora.dropout 1.0"),
-    (["--lora.export_adapters"], "lora.export_adapters needs LoRA on"),
+    (["--lora.export_adapters"], "lora.export_adapters given with LoRA off"),
+    (["--lora.targets", "bogus_proj"], "lora.targets given with LoRA off"),
+    (["--lora.alpha", "32", "--lora.dropout", "0.1"], "lora.alpha, lora.dropout given with LoRA off"),
     (["--lora.rank", "4", "--parallelism.tensor_parallel_degree", "2"], "tensor parallelism"),
 ])
 def test_bad_lora_config_is_refused(tmp_path, extra, fragment):

@@ -226,8 +226,11 @@ def test_generate_from_dump_and_hf_folder(tmp_path, capsys):
     assert capsys.readouterr().out.strip() == want.strip()
     assert main(['--path', hf, '--prompt', 'x', '--max_new_tokens', '4', '--temperature', '0.9', '--seed', '1']) == 0
     capsys.readouterr()
+    adapter = tmp_path / 'hf_adapter'
+    adapter.mkdir()
+    (adapter / 'adapter_config.json').write_text('{"peft_type": "LORA"}')
     for bad in (['--path', str(tmp_path / 'nope')], ['--path', str(dump), '--step', '9'],
-                ['--path', str(tmp_path)]):
+                ['--path', str(tmp_path)], ['--path', str(adapter)]):
         assert main([*bad, '--prompt', 'x']) == 2
         err = capsys.readouterr().err
         assert err.startswith('flame: error:') and err.count('\n') == 1, err

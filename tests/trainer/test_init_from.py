@@ -207,3 +207,24 @@ def test_a_peft_adapter_folder_is_named_as_such(tmp_path, capsys):
         assert len(lines) == 1, lines
         assert lines[0].startswith(f"flame: error: model.init_from '{adapter}': holds LoRA adapters")
         assert "base model's folder" in lines[0] and "DUMP/hf" in lines[0] and "(/models/base)" in lines[0]
+
+
+def test_a_run_s_dump_folder_is_named_as_such(tmp_path, capsys):
+    """A dump folder given as init_from (the user meant its export): one line naming DUMP/hf when there
+    is one, the converter when there is not, with a model config of the user's own too."""
+    from flame.utils.dump_folder import main
+
+    dump = tmp_path / "base"
+    (dump / "checkpoint" / "step-4").mkdir(parents=True)
+    (dump / "job_config.json").write_text("{}")
+    for export in (False, True):
+        if export:
+            (dump / "hf").mkdir()
+            (dump / "hf" / "config.json").write_text("{}")
+        for extra in ([], ["--model.config", TINY_LLAMA]):
+            assert main(["--model.init_from", str(dump), *extra]) == 2
+            lines = capsys.readouterr().err.strip().splitlines()
+            assert len(lines) == 1, lines
+            assert lines[0].startswith(f"flame: error: model.init_from '{dump}' is a run's dump folder")
+            assert (f"export {str(dump / 'hf')!r}" in lines[0]) is export
+            assert ("convert_dcp_to_hf" in lines[0]) is not export

@@ -51,6 +51,21 @@ def test_resume_continues_the_exact_loss_sequence(tmp_path):
     assert losses(split) == losses(full)
 
 
+def test_a_resume_with_more_steps_follows_the_new_schedule_from_its_first_step(tmp_path):
+    """The optimizer's checkpoint holds the old schedule's lr; the first resumed step runs at the new
+    schedule's (as a run of the new length would at that step), not at the old one's."""
+    common = ["--checkpoint.interval", "2", "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1"]
+    full, split = str(tmp_path / "full"), str(tmp_path / "split")
+    run_job(1, full, "--training.steps", "6", *common)
+    run_job(1, split, "--training.steps", "4", *common)
+    run_job(1, split, "--training.steps", "6", *common)
+
+    def lr_at(dump):
+        return {r["step"]: r["lr"] for r in metrics(dump) if "lr" in r}
+
+    assert [lr_at(split)[s] for s in (5, 6)] == pytest.approx([lr_at(full)[s] for s in (5, 6)], rel=1e-6)
+
+
 def test_gradient_accumulation_equals_larger_batch(tmp_path):
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     run_job(1, a, "--training.steps", "3", "--training.batch_size", "4", "--checkpoint.no-enable-checkpoint",
