@@ -301,7 +301,9 @@ def main(argv: list[str]) -> int:
         return 2
     python = os.environ.get("PYTHON") or sys.executable
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
+    # the working directory too: the config check before the launch imports model.module from it
+    # (as `python -m` would), so the workers, started from a script path, must find it there as well
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.getcwd(), env.get("PYTHONPATH")) if p)
     if any(a in ("-h", "--help") for a in argv):
         # the help shows the values this run would use: the default job's options (or the job file
         # the user names) with the user's on top

@@ -5,6 +5,7 @@ device -> the model's own ``_init_weights`` run on the (possibly sharded) parame
 """
 
 import json
+import logging
 import math
 import os
 
@@ -12,6 +13,8 @@ import torch
 from torch import nn
 
 from flame.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 
 def register_model_families(modules: list[str] | str | None = None) -> None:
@@ -23,17 +26,78 @@ def register_model_families(modules: list[str] | str | None = None) -> None:
     import_model_modules(modules)
 
 
+def _first_line(e: BaseException) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
 def load_model_config(path: str, modules: list[str] | str | None = None):
+    """The model's config from a JSON file or a model folder; a bad file, a field name that is a
+    near miss of one the config takes, or (flame's transformer) a missing core field is a ConfigError."""
     from transformers import AutoConfig
 
     register_model_families(modules)
     if not os.path.exists(path):
         raise ConfigError(f"model.config {path!r}: no such file")
     try:
-        return AutoConfig.from_pretrained(path)
-    except (OSError, ValueError, KeyError, json.JSONDecodeError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ConfigError(f"model.config {path!r}: {first}") from None
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, KeyError, TypeError, AssertionError, json.JSONDecodeError) as e:
+        raise ConfigError(f"model.config {path!r}: {_first_line(e)}") from None
+    check_config_fields(path, config)
+    return config
+
+
+def _config_json(path: str) -> dict:
+    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    try:
+        with open(file) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def config_fields(config) -> set[str]:
+    """The field names ``config``'s class takes: its constructors' parameters over the class
+    hierarchy, dataclass fields, attribute aliases and the base config's own fields."""
+    import dataclasses
+    import inspect
+
+    from transformers import PreTrainedConfig
+
+    known = set(PreTrainedConfig().to_dict()) | set(getattr(config, "attribute_map", {}) or {})
+    skip = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    for cls in type(config).__mro__:
+        init = cls.__dict__.get("__init__")
+        if init is not None:
+            known |= {n for n, p in inspect.signature(init).parameters.items() if p.kind not in skip}
+        if dataclasses.is_dataclass(cls):
+            known |= {f.name for f in dataclasses.fields(cls)}
+    return known - {"self"}
+
+
+def check_config_fields(path: str, config) -> None:
+    import difflib
+
+    data = _config_json(path)
+    known = config_fields(config)
+    # transformers keeps any field it does not take as a plain attribute, so a misspelled one
+    # (num_head) would leave the intended field at its default without a word
+    for key in data:
+        if key in known or key.startswith("_"):
+            continue
+        near = difflib.get_close_matches(key, sorted(known - set(data)), n=1, cutoff=0.85)
+        if near:
+            where = f"model.config {path!r}: field {key!r} is not one that {type(config).__name__} takes"
+            if os.path.isdir(path):  # a model folder's config.json (often downloaded): said, not refused
+                logger.warning(f"{where} (did you mean {near[0]!r}?); it is kept as an attribute and unused")
+            else:
+                raise ConfigError(f"{where}; did you mean {near[0]!r}?")
+    from flame.models.transformer.configuration import REQUIRED_JSON_FIELDS, TransformerConfig
+
+    if isinstance(config, TransformerConfig) and data:
+        missing = [k for k in REQUIRED_JSON_FIELDS if k not in data]
+        if missing:
+            raise ConfigError(f"model.config {path!r} lacks field(s) {', '.join(missing)}")
 
 
 def fit_vocab(model_config, tokenizer_len: int, multiple: int) -> int:
@@ -67,6 +131,10 @@ def build_meta_model(model_config, varlen: bool = False) -> nn.Module:
             model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32, **kwargs)
     except ImportError as e:
         raise ConfigError(f"model type {model_config.model_type!r}: {str(e).splitlines()[0]}") from None
+    except (AssertionError, ValueError, TypeError, KeyError) as e:
+        # the model's constructor refused a value of its config (FLA asserts on head sizes and modes)
+        raise ConfigError(f"model type {model_config.model_type!r}: the model cannot be built from its config: "
+                          f"{type(e).__name__}: {_first_line(e)}") from None
     return model
 
 

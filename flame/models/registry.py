@@ -148,7 +148,10 @@ def import_model_modules(modules: list[str] | str | None) -> None:
             if e.name and name.startswith(e.name):
                 raise ConfigError(f"model.module {name!r} cannot be imported: no module named {e.name!r} "
                                   f"(is its folder on PYTHONPATH or the working directory?)") from None
-            raise
+            raise ConfigError(f"model.module {name!r} cannot be imported: it needs {e.name or str(e)!r}, which "
+                              "is not installed") from None
+        except SyntaxError as e:
+            raise ConfigError(f"model.module {name!r} cannot be imported: {e.msg} ({e.filename}, line {e.lineno})") from None
     from importlib.metadata import entry_points
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         ep.load()

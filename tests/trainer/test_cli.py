@@ -3,6 +3,7 @@ working directory, --help, one-line errors for wrong types, the calculator's hel
 
 import json
 import os
+import subprocess
 
 import pytest
 import torch
@@ -264,3 +265,21 @@ def test_launch_config_check_parses_without_importing_fla(tmp_path):
                              env=dict(env, FLAME_VARLEN_SOFTMAX="flash"), capture_output=True, text=True, timeout=120)
     assert bad_env.returncode == 2, bad_env.stderr[-2000:]
     assert bad_env.stderr == "flame: error: FLAME_VARLEN_SOFTMAX='flash': expected one of varlen, flex\n"
+
+
+def test_a_model_module_in_the_working_directory_reaches_the_workers(tmp_path):
+    """custom_models/README.md's walkthrough: train.sh run from the folder of the user's package,
+    with no PYTHONPATH of theirs; the rank (started by torchrun from a script path) imports it."""
+    from tests.trainer.helpers import JOB_ENV, tiny_job
+
+    marks = tmp_path / "imported_by"
+    (tmp_path / "cwd_marker.py").write_text(
+        "import os\nwith open(os.environ['MARKS'], 'a') as f:\n    f.write(os.environ.get('RANK', '-') + '\\n')\n")
+    env = dict(os.environ, OMP_NUM_THREADS="1", MARKS=str(marks), NGPU="1")
+    env["PYTHONPATH"] = JOB_ENV["PYTHONPATH"]  # flame's own paths only: the user's folder is the working directory
+    proc = subprocess.run(["bash", os.path.join(ROOT, "train.sh"),
+                           *tiny_job(str(tmp_path / "run"), "--training.steps", "1", "--model.module", "cwd_marker",
+                                     "--checkpoint.no-enable")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "0" in marks.read_text().split()  # imported by rank 0

@@ -39,6 +39,10 @@ class TransformerConfig(FLATransformerConfig):
 
     def validate_flame(self) -> None:
         """One-line ConfigError for values flame's model cannot build."""
+        for name in ("hidden_size", "num_hidden_layers", "num_heads", "vocab_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} {value!r}: must be a whole number >= 1")
         if self.hidden_act != "swish":
             raise ConfigError(f"hidden_act {self.hidden_act!r} is not supported by flame's transformer (use 'swish')")
         if self.hidden_size % self.num_heads:
