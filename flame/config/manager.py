@@ -12,6 +12,7 @@ import difflib
 import glob
 import io
 import os
+import re
 import sys
 import types
 import typing
@@ -355,6 +356,9 @@ class FlameConfigManager(ConfigManager):
             text = " ".join(line.strip(" │╭╮╰╯─") for line in captured.getvalue().splitlines())
             text = " ".join(w for w in text.split() if "helptext" not in w)
             raise ConfigError(f"command line rejected: {text.split(' For full')[0].strip() or 'invalid arguments'}") from None
+        except AssertionError as e:  # a torchtitan section's own check (its __post_init__)
+            named = [f"{a} {args[i + 1]}" for i, a in enumerate(args[:-1]) if _option_named_in(a, str(e))]
+            raise ConfigError(f"{', '.join(named) + ': ' if named else ''}{e}") from None
         cwd_then_package = [os.getcwd(), PACKAGE_ROOT]
         for key in (*PATH_OPTIONS, *OUTPUT_PATH_OPTIONS):
             section, name = key.split(".")
@@ -362,6 +366,15 @@ class FlameConfigManager(ConfigManager):
             setattr(sec, name, resolve_path_option(key, getattr(sec, name), cwd_then_package))
         resolve_aliases(config, given)
         return config, given
+
+
+def _option_named_in(arg: str, message: str) -> bool:
+    """``--section.name`` whose section and name both appear as words of ``message``."""
+    if not arg.startswith("--") or "." not in arg:
+        return False
+    words = set(re.findall(r"[a-z_]+", message.lower()))
+    section, name = arg[2:].split(".", 1)
+    return section in words and name in words
 
 
 # flame spelling -> the torchtitan field it stands for
@@ -450,6 +463,17 @@ def validate(cfg) -> None:
         raise ConfigError(f"training.max_norm {t.max_norm}: must be >= 0")
     if t.num_workers < 0:
         raise ConfigError(f"training.num_workers {t.num_workers}: must be >= 0")
+    if t.shuffle_buffer_size < 1:
+        raise ConfigError(f"training.shuffle_buffer_size {t.shuffle_buffer_size}: must be >= 1")
+    if t.persistent_workers and t.num_workers == 0:
+        raise ConfigError("training.persistent_workers needs loader workers: set training.num_workers > 0")
+    v = cfg.validation
+    for name in ("local_batch_size", "seq_len"):  # None: the training value
+        value = getattr(v, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"validation.{name} {value}: must be >= 1 (unset: the training value)")
+    if v.enable and v.freq < 1:
+        raise ConfigError(f"validation.freq {v.freq}: must be >= 1")
     if not 0.0 <= cfg.lr_scheduler.min_lr_factor <= 1.0:
         raise ConfigError(f"lr_scheduler.lr_min {cfg.lr_scheduler.min_lr_factor}: must be in [0, 1] (a fraction of the peak lr)")
     if cfg.lr_scheduler.warmup_steps < 0:

@@ -179,6 +179,11 @@ def _get(section: Any, name: str, default: Any = None) -> Any:
     return getattr(section, name, default) if section is not None else default
 
 
+def _or_default(value: Any, default: Any) -> Any:
+    """``value`` unless unset (None); a 0 stays 0, for the checks to refuse it."""
+    return default if value is None else value
+
+
 def options_from_job_config(job_config: Any, split: str = "train") -> DataOptions:
     """Read flame's ``training.*`` (and ``validation.*`` for split="validation") fields."""
     t = job_config.training
@@ -222,7 +227,7 @@ def options_from_job_config(job_config: Any, split: str = "train") -> DataOption
             batch_size=int(batch_size),
             seq_len=int(_get(t, "seq_len", 2048)),
             streaming=bool(_get(t, "streaming", False)),
-            shuffle_buffer_size=int(_get(t, "shuffle_buffer_size", 10000) or 10000),
+            shuffle_buffer_size=int(_or_default(_get(t, "shuffle_buffer_size"), 10000)),
             holdout_fraction=holdout,
             **common,
         )
@@ -237,7 +242,7 @@ def options_from_job_config(job_config: Any, split: str = "train") -> DataOption
         if holdout == 0.0:
             holdout = float(_get(v, "holdout_fraction", 0.0) or 0.0)
     # Unset (None): the training batch size and sequence length.
-    seq_len = int(_get(v, "seq_len", None) or _get(t, "seq_len", 2048))
+    seq_len = int(_or_default(_get(v, "seq_len"), _get(t, "seq_len", 2048)))
     common["context_len"] = min(common["context_len"], seq_len)
     # Validation is a fixed, ordered pass in the main process (it is small and must be identical
     # from one evaluation to the next).
@@ -245,7 +250,7 @@ def options_from_job_config(job_config: Any, split: str = "train") -> DataOption
     return DataOptions(
         sources=sources,
         probs=tuple([1.0 / len(sources)] * len(sources)),
-        batch_size=int(_get(v, "local_batch_size", None) or batch_size),
+        batch_size=int(_or_default(_get(v, "local_batch_size"), batch_size)),
         seq_len=seq_len,
         streaming=False,
         shuffle=False,

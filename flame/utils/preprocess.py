@@ -26,7 +26,7 @@ from flame.utils.cli import CliParser
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = CliParser(prog="python -m flame.utils.preprocess", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+                   formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dataset", required=True, help="hub id (local cache), local folder, file or glob")
     ap.add_argument("--dataset-name", "--dataset_name", default=None)
     ap.add_argument("--split", default="train")
@@ -38,7 +38,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--num-proc", "--num_proc", type=int, default=1, help="tokenizer processes")
     ap.add_argument("--batch-size", "--batch_size", type=int, default=1000, help="documents per tokenizer call")
     ap.add_argument("--shard-tokens", "--shard_tokens", type=int, default=1 << 28, help="tokens per shard file")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    for flag, value in (("--num-proc", args.num_proc), ("--batch-size", args.batch_size),
+                        ("--shard-tokens", args.shard_tokens)):
+        if value < 1:
+            ap.error(f"{flag} {value}: must be >= 1")
+    return args
+
+
+# the data code names the trainer's options; this command's are these
+TRAINER_OPTIONS = {"training.dataset": "--dataset", "training.text_column": "--text-column",
+                   "model.tokenizer_path": "--tokenizer"}
+
+
+def _own_option_names(message: str) -> str:
+    for trainer_option, flag in TRAINER_OPTIONS.items():
+        message = message.replace(trainer_option, flag)
+    return message
 
 
 def preprocess(args: argparse.Namespace) -> dict:
@@ -78,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         meta = preprocess(args)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"flame: error: {_own_option_names(str(e))}", file=sys.stderr)
         return 2
     print(f"wrote {meta['num_docs']:,} documents, {meta['num_tokens']:,} tokens in {len(meta['shards'])} shard(s) "
           f"to {args.output} ({time.time() - t0:.1f}s)")

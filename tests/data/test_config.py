@@ -181,5 +181,16 @@ def test_preprocess_cli_bad_input_exits_nonzero(tmp_path):
     r = subprocess.run([sys.executable, "-m", "flame.utils.preprocess", "--dataset", str(tmp_path / "missing.jsonl"),
                         "--tokenizer", TOKENIZER, "--output", str(tmp_path / "out")],
                        capture_output=True, text=True, cwd=REPO, env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin"})
-    assert r.returncode != 0
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1].startswith("flame: error: --dataset:")
     assert "missing.jsonl" in r.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("flag", ["--num-proc", "--batch-size", "--shard-tokens"])
+def test_preprocess_counts_must_be_positive(tmp_path, flag, capsys):
+    from flame.utils.preprocess import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(["--dataset", "x", "--tokenizer", "y", "--output", str(tmp_path / "o"), flag, "0"])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.strip() == f"flame: error: {flag} 0: must be >= 1"

@@ -87,6 +87,14 @@ def test_defaults_keep_final_checkpoint_resumable():
         (["--checkpoint.hf_upload_enabled"], "needs checkpoint.hf_repo_base_name"),
         (["--checkpoint.hf_upload_enabled", "--checkpoint.hf_repo_base_name", "x", "--checkpoint.no-export-hf"],
          "needs checkpoint.export_hf"),
+        (["--validation.enable", "--validation.freq", "0"], "validation.freq 0: must be >= 1"),
+        (["--validation.enable", "--validation.freq", "-3"], "validation.freq -3: must be >= 1"),
+        (["--validation.enable", "--validation.steps", "0"], "--validation.steps 0: validation steps must be positive"),
+        (["--validation.enable", "--validation.steps", "-2"], "--validation.steps -2: validation steps must be positive"),
+        (["--validation.local_batch_size", "0"], "validation.local_batch_size 0: must be >= 1"),
+        (["--validation.seq_len", "0"], "validation.seq_len 0: must be >= 1"),
+        (["--training.num_workers", "0", "--training.persistent_workers"], "training.persistent_workers needs"),
+        (["--training.streaming", "--training.shuffle_buffer_size", "0"], "training.shuffle_buffer_size 0: must be >= 1"),
     ],
 )
 def test_bad_cli(args, fragment):
