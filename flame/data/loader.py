@@ -120,9 +120,10 @@ class FlameDataLoader(ParallelAwareDataloader):
         old = (g["dp_world_size"], g["num_workers"])
         g, exact = gstate.reshard(g, self.dp_world_size, self.packed.opts.num_workers)
         if not exact:
-            logger.info(f"dataloader: resuming a position saved with dp_world_size={old[0]}, "
-                        f"num_workers={old[1]} on dp_world_size={self.dp_world_size}, "
-                        f"num_workers={self.packed.opts.num_workers} (elastic resume)")
+            # the position counts readers per rank: the loader workers, or the main process without any
+            logger.info(f"dataloader: resuming a position saved with dp_world_size={old[0]} and {old[1]} "
+                        f"reader(s) per rank on dp_world_size={self.dp_world_size} and "
+                        f"{max(1, self.packed.opts.num_workers)} (elastic resume)")
         self.packed.start = g
         self.packed.rotation = int(g["next_worker"].get(str(self.dp_rank), 0)) if exact else 0
         self._consumers = {}

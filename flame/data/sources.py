@@ -446,7 +446,15 @@ def open_source(spec: SourceSpec, tokenizer: Any, text_column: str | None, strea
         if chat is not None:
             raise ConfigError(f"training.sft: {spec.path!r} is a pre-tokenized folder; SFT reads conversation "
                               "rows (chat, alpaca or sharegpt) from JSONL, parquet or Hugging Face datasets")
+        if text_column and text_column != "input_ids":
+            raise ConfigError(f"training.text_column: {text_column!r} is not a column of {spec.path!r} (a "
+                              "pre-tokenized folder holds input_ids only)")
         # Token folders are random access already; streaming adds nothing, so they are read map-style.
+        if streaming:
+            from torchtitan.tools.logging import logger
+
+            logger.info(f"dataloader: {spec.path} is a pre-tokenized folder: read map-style (random access), "
+                        "not streamed")
         reader = ShardReader(spec.path)
         vocab = int(reader.meta.get("tokenizer", {}).get("vocab_size", 0) or 0)
         if vocab > len(tokenizer):

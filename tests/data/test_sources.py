@@ -4,6 +4,7 @@ import json
 
 import numpy as np
 import pandas as pd
+import pytest
 from flame_data_testlib import (
     assert_no_overlap,
     build,
@@ -20,6 +21,7 @@ from flame_data_testlib import (
 
 from flame.data import state as gstate
 from flame.data.loader import STATE_KEY
+from flame.errors import ConfigError
 from flame.utils.preprocess import main as preprocess_main
 
 
@@ -140,3 +142,12 @@ def test_small_source_repeats_instead_of_being_dropped(tmp_path, tok):
     assert len(epochs) > 3
     g = json.loads(loader.state_dict()[STATE_KEY])
     assert gstate.token_totals(g)[0] > 0
+
+
+def test_a_text_column_for_a_preprocessed_folder_is_named(tmp_path, tok):
+    path = write_jsonl(tmp_path / "c.jsonl", text_docs(10))
+    out = tmp_path / "tokens"
+    assert preprocess_main(["--dataset", path, "--tokenizer", tok.name_or_path, "--output", str(out)]) == 0
+    with pytest.raises(ConfigError, match="training.text_column: 'body' is not a column of .*pre-tokenized folder"):
+        take(build(tok, dataset=str(out), batch_size=2, seq_len=16, text_column="body"), 1)
+    take(build(tok, dataset=str(out), batch_size=2, seq_len=16, text_column="input_ids"), 1)
