@@ -240,6 +240,10 @@ class ActivationCheckpoint:
 
 @dataclass
 class Validation:
+    dataset: str | None = None
+    """Validation sources, a comma list like ``training.dataset``; unset: the validation (or valid,
+    val, test) split of the training sources, or their held-out share (``holdout_fraction``)."""
+
     interval: int | None = None
     """Validate every this many steps (alias of ``validation.freq``)."""
 

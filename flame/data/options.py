@@ -210,8 +210,6 @@ def options_from_job_config(job_config: Any, split: str = "train") -> DataOption
     # Held-out validation documents come out of the training sources only when validation runs on
     # the training sources (no validation.dataset) and holdout is on.
     val_dataset = _get(v, "dataset_path") or _get(v, "dataset")
-    if val_dataset == "c4_validation":
-        val_dataset = None  # torchtitan's placeholder default
     holdout = float(_get(v, "holdout_fraction", 0.0) or 0.0) if _get(v, "enable", False) and not val_dataset else 0.0
     if split == "train":
         sources = parse_sources(
