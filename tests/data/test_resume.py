@@ -149,7 +149,9 @@ def test_distributed_state_is_identical_on_every_rank(tmp_path):
     import multiprocessing as mp
 
     path = write_token_folder(tmp_path / "t", token_docs(40))
-    ctx = mp.get_context("fork")
+    # spawn, not fork: a child forked from a test worker inherits whatever earlier tests compiled
+    # (inductor's C++ kernels) and has crashed collecting it
+    ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=_dist_worker, args=(r, path, str(tmp_path / "store"), q)) for r in range(2)]
     for p in procs:
