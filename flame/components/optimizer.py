@@ -7,6 +7,8 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from torchtitan.components.optimizer import OptimizersContainer
 
+from flame.errors import ConfigError
+
 
 def param_groups(model: nn.Module, weight_decay: float, no_decay: list[str], select=None) -> list[dict]:
     """Split trainable parameters (those ``select(param)`` accepts, when given) into decayed and
@@ -109,7 +111,17 @@ def lr_at_loaded_step(lr_schedulers) -> None:
     schedule the value is the same, with another ``training.steps`` or schedule the first resumed
     step would otherwise run at the old schedule's lr and the next at the new one's."""
     for s in lr_schedulers.schedulers:
-        lrs = [base * fn(s.last_epoch) for base, fn in zip(s.base_lrs, s.lr_lambdas)]
+        groups = s.optimizer.param_groups
+        if len(s.base_lrs) != len(groups):
+            # the parameters split into groups by layout too (tensor parallel DTensors apart from plain
+            # tensors): a run resumed under another layout has another number of groups
+            if len(set(s.base_lrs)) != 1:
+                raise ConfigError(
+                    f"the checkpoint's optimizer has {len(s.base_lrs)} parameter groups with different learning "
+                    f"rates and this run has {len(groups)} (another tensor parallel degree?); resume with the "
+                    "layout it was saved with, or start from its weights (--checkpoint.initial_load_path)")
+            s.base_lrs = [s.base_lrs[0]] * len(groups)
+        lrs = [base * fn(s.last_epoch) for base, fn in zip(s.base_lrs, s.lr_lambdas, strict=True)]
         for group, lr in zip(s.optimizer.param_groups, lrs):
             group["lr"] = lr
         s._last_lr = lrs

@@ -104,3 +104,27 @@ def test_bad_input_is_one_line_and_nonzero(tmp_path, extra, fragment):
     errors = [l for l in proc.stderr.splitlines() if l.startswith("flame: error:")]
     assert len(errors) == 1 and fragment in errors[0], proc.stderr[-3000:]
     assert not os.path.exists(tmp_path / "run" / "checkpoint")
+
+
+def test_the_schedule_follows_a_checkpoint_of_another_group_count():
+    """A run resumed under another layout (tensor parallel splits DTensors into groups of their own)
+    has another number of param groups than the checkpoint's schedule: with one lr it continues;
+    with different lrs per group it is a one-line error, not a crash at the first scheduler step."""
+    import types
+
+    import torch
+
+    from flame.components.optimizer import lr_at_loaded_step
+    from flame.errors import ConfigError
+
+    params = [torch.nn.Parameter(torch.zeros(2)) for _ in range(2)]
+    opt = torch.optim.SGD([{"params": [p]} for p in params], lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (step + 1))
+    sched.load_state_dict({**sched.state_dict(), "base_lrs": [0.1, 0.1, 0.1], "last_epoch": 3})
+    lr_at_loaded_step(types.SimpleNamespace(schedulers=[sched]))
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([0.1 / 4] * 2)
+    sched.step()
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([0.1 / 5] * 2)
+    sched.load_state_dict({**sched.state_dict(), "base_lrs": [0.1, 0.2, 0.1]})
+    with pytest.raises(ConfigError, match="3 parameter groups with different learning rates and this run has 2"):
+        lr_at_loaded_step(types.SimpleNamespace(schedulers=[sched]))
