@@ -183,7 +183,8 @@ def _write_keys(path, worker, n):
 def test_concurrent_writers_lose_nothing(tmp_path):
     path = tmp_path / "shared.json"
     n = 15
-    ctx = multiprocessing.get_context("fork")
+    # spawn, not fork: a child forked from a test worker inherits whatever earlier tests compiled
+    ctx = multiprocessing.get_context("spawn")
     procs = [ctx.Process(target=_write_keys, args=(path, w, n)) for w in range(3)]
     threads = [threading.Thread(target=_write_keys, args=(path, w, n)) for w in range(3, 6)]
     for x in procs + threads:
