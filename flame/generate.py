@@ -82,12 +82,12 @@ def load(path: str, step: int | None = None, dtype: str = 'float32'):
     register_families()
     from flame.models.cpu import enable_cpu_fallbacks
     enable_cpu_fallbacks()  # before the constructors: FLA layers bind some functions at construction
-    is_dump = os.path.isfile(os.path.join(path, 'job_config.json')) or os.path.isdir(os.path.join(path, 'checkpoint'))
+    from flame.components.init_from import is_dump_folder, refuse_adapter_folder
+    is_dump = is_dump_folder(path)
     if is_dump and (_steps(path) or step is not None):
         model, tokenizer, what = _from_checkpoint(path, step, dtype)
         return model, AutoTokenizer.from_pretrained(tokenizer), what
     folder = os.path.join(path, 'hf') if is_dump else path
-    from flame.components.init_from import refuse_adapter_folder
     refuse_adapter_folder(folder, '--path')
     if not os.path.isfile(os.path.join(folder, 'config.json')):
         hint = 'no checkpoint and no hf export' if is_dump else 'no config.json'

@@ -8,6 +8,8 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torchtitan.tools.logging import logger
 
+from flame.errors import first_line
+
 
 def export_trained_model(trainer, out_dir: str | None = None) -> str:
     """Gather the full (unsharded) weights to rank 0's CPU memory and write ``DUMP/hf``.
@@ -59,8 +61,7 @@ class HFUpload:
             self.done = True
             logger.info(f"flame: uploaded {self.folder} to the Hugging Face Hub repo {self.repo_id} ({getattr(info, 'commit_url', info)})")
         except Exception as e:  # noqa: BLE001  (an upload never stops training)
-            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            self.error = f"{type(e).__name__}: {reason}"
+            self.error = f"{type(e).__name__}: {first_line(e)}"
             logger.warning(f"flame: HF upload of {self.folder} to {self.repo_id} failed: {self.error} (no network?)")
 
     def wait(self, timeout: float) -> bool:

@@ -92,11 +92,15 @@ def refuse_adapter_folder(folder: str, option: str = OPTION) -> None:
                       f"model's Hugging Face folder{f' ({base})' if isinstance(base, str) and base else ''}")
 
 
+def is_dump_folder(folder: str) -> bool:
+    """A run's dump folder: the trainer's job_config.json or a checkpoint folder in it."""
+    return os.path.isfile(os.path.join(folder, "job_config.json")) or os.path.isdir(os.path.join(folder, "checkpoint"))
+
+
 def refuse_dump_folder(folder: str) -> None:
     """A run's dump folder (its checkpoints, job_config.json) is not a model folder: one line names
     its Hugging Face export, or the converter that makes one."""
-    if os.path.isfile(os.path.join(folder, "config.json")) or not (
-            os.path.isfile(os.path.join(folder, "job_config.json")) or os.path.isdir(os.path.join(folder, "checkpoint"))):
+    if os.path.isfile(os.path.join(folder, "config.json")) or not is_dump_folder(folder):
         return
     hf = os.path.join(folder, "hf")
     instead = (f"give its Hugging Face export {hf!r}" if os.path.isfile(os.path.join(hf, "config.json")) else

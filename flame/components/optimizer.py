@@ -122,6 +122,6 @@ def lr_at_loaded_step(lr_schedulers) -> None:
                     "layout it was saved with, or start from its weights (--checkpoint.initial_load_path)")
             s.base_lrs = [s.base_lrs[0]] * len(groups)
         lrs = [base * fn(s.last_epoch) for base, fn in zip(s.base_lrs, s.lr_lambdas, strict=True)]
-        for group, lr in zip(s.optimizer.param_groups, lrs):
+        for group, lr in zip(groups, lrs):
             group["lr"] = lr
         s._last_lr = lrs

@@ -18,7 +18,7 @@ from flame.data.documents import BadRows, RowLocator, tokenize_texts
 from flame.data.holdout import held_out, held_out_rows
 from flame.data.options import SourceSpec, missing_local_source
 from flame.data.shards import ShardReader, is_token_folder
-from flame.errors import ConfigError
+from flame.errors import ConfigError, first_line
 
 _BUILDERS = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".txt": "text", ".arrow": "arrow",
              ".csv": "csv"}
@@ -46,16 +46,12 @@ def _expand(pattern: str, what: str) -> list[str]:
     return files
 
 
-def _first_line(e: BaseException) -> str:
-    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-
-
 def _load_error(spec: SourceSpec, e: Exception) -> ConfigError:
-    msg = _first_line(e)
+    msg = first_line(e)
     if e.__cause__ is not None:
         # datasets' DatasetGenerationError says only "An error occurred while generating the
         # dataset"; its cause says what (a JSONL line that is not JSON: "JSON parse error ... in row 1")
-        msg = f"{msg}: {_first_line(e.__cause__)}"
+        msg = f"{msg}: {first_line(e.__cause__)}"
     if not os.path.exists(spec.path) and spec.path not in _BUILDER_NAMES:
         return ConfigError(
             f"training.dataset: {spec.path!r} is not a local path and could not be read from the local "

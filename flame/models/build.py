@@ -12,7 +12,7 @@ import os
 import torch
 from torch import nn
 
-from flame.errors import ConfigError
+from flame.errors import ConfigError, first_line
 
 logger = logging.getLogger(__name__)
 
@@ -26,10 +26,6 @@ def register_model_families(modules: list[str] | str | None = None) -> None:
     import_model_modules(modules)
 
 
-def _first_line(e: BaseException) -> str:
-    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-
-
 def load_model_config(path: str, modules: list[str] | str | None = None):
     """The model's config from a JSON file or a model folder; a bad file, a field name that is a
     near miss of one the config takes, or (flame's transformer) a missing core field is a ConfigError."""
@@ -41,7 +37,7 @@ def load_model_config(path: str, modules: list[str] | str | None = None):
     try:
         config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError, KeyError, TypeError, AssertionError, json.JSONDecodeError) as e:
-        raise ConfigError(f"model.config {path!r}: {_first_line(e)}") from None
+        raise ConfigError(f"model.config {path!r}: {first_line(e)}") from None
     check_config_fields(path, config)
     return config
 
@@ -92,12 +88,10 @@ def check_config_fields(path: str, config) -> None:
                 logger.warning(f"{where} (did you mean {near[0]!r}?); it is kept as an attribute and unused")
             else:
                 raise ConfigError(f"{where}; did you mean {near[0]!r}?")
-    from flame.models.transformer.configuration import REQUIRED_JSON_FIELDS, TransformerConfig
+    from flame.models.transformer.configuration import TransformerConfig, check_required_fields
 
     if isinstance(config, TransformerConfig) and data:
-        missing = [k for k in REQUIRED_JSON_FIELDS if k not in data]
-        if missing:
-            raise ConfigError(f"model.config {path!r} lacks field(s) {', '.join(missing)}")
+        check_required_fields(data, f"model.config {path!r}")
 
 
 def fit_vocab(model_config, tokenizer_len: int, multiple: int) -> int:
@@ -134,7 +128,7 @@ def build_meta_model(model_config, varlen: bool = False) -> nn.Module:
     except (AssertionError, ValueError, TypeError, KeyError) as e:
         # the model's constructor refused a value of its config (FLA asserts on head sizes and modes)
         raise ConfigError(f"model type {model_config.model_type!r}: the model cannot be built from its config: "
-                          f"{type(e).__name__}: {_first_line(e)}") from None
+                          f"{type(e).__name__}: {first_line(e)}") from None
     return model
 
 

@@ -66,6 +66,13 @@ class TransformerConfig(FLATransformerConfig):
         return resolve_layer_backends(self.attn_impl, self.num_hidden_layers)
 
 
+def check_required_fields(data: dict, where: str) -> None:
+    """A transformer JSON without one of its core fields is a ConfigError naming them."""
+    missing = [k for k in REQUIRED_JSON_FIELDS if k not in data]
+    if missing:
+        raise ConfigError(f"{where} lacks field(s) {', '.join(missing)}")
+
+
 def load_config(path: str | os.PathLike, **overrides) -> TransformerConfig:
     """Read a transformer JSON config; a missing core field or a bad value is a one-line ConfigError."""
     try:
@@ -75,9 +82,7 @@ def load_config(path: str | os.PathLike, **overrides) -> TransformerConfig:
         raise ConfigError(f"model config {str(path)!r} does not exist") from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"model config {str(path)!r} is not valid JSON: {e}") from None
-    missing = [k for k in REQUIRED_JSON_FIELDS if k not in data]
-    if missing:
-        raise ConfigError(f"model config {str(path)!r} lacks field(s) {', '.join(missing)}")
+    check_required_fields(data, f"model config {str(path)!r}")
     if data["model_type"] != TransformerConfig.model_type:
         raise ConfigError(f"model config {str(path)!r} has model_type {data['model_type']!r}, expected 'transformer'")
     data.update(overrides)
