@@ -102,8 +102,9 @@ def test_samba_trains_on_gpu_without_flash_attn():
     import fla.layers.attn as attn
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    import flame  # noqa: F401
+    from flame.models.cpu import prepare_model_build
 
+    prepare_model_build("cuda")  # what the trainer does before it builds an FLA model
     assert attn.flash_attn_func is M.flash_attn_func_cpu  # flash-attn is absent on the test machines
     cfg = AutoConfig.from_pretrained("configs/debug/samba.json")
     torch.manual_seed(0)

@@ -51,7 +51,7 @@ class _JobServer:
     A job goes to it only when its environment is the one the test session started with (plus
     ``JOB_ENV``) apart from the per-job names below: anything a test changed (``monkeypatch.setenv``)
     may be read at import time, so such a job starts a fresh interpreter instead.
-    ``FLAME_TEST_FRESH_INTERPRETERS=1`` sends every job there."""
+    ``FLAME_TEST_FRESH_INTERPRETERS=1`` sends every job there, as does a machine with CUDA."""
 
     PER_JOB = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
                "PYTEST_CURRENT_TEST"}
@@ -84,7 +84,8 @@ class _JobServer:
         ``ranks``, as subprocess.run reports it. Where the server cannot take the job, one rank runs
         as ``python *target`` and several under ``launcher`` (torchrun, which makes their environments)."""
         cmd = [sys.executable, *target] if len(ranks) == 1 else [*launcher, *target]
-        if (os.environ.get("FLAME_TEST_FRESH_INTERPRETERS") == "1"
+        # on a CUDA machine the server's imports (FLA's) initialize CUDA, which a forked child cannot use
+        if (os.environ.get("FLAME_TEST_FRESH_INTERPRETERS") == "1" or torch.cuda.is_available()
                 or any(self._shared(env) != self.shared_env for env in ranks)
                 or not (target[0] == "-m" or target[0].endswith(".py"))):
             env = ranks[0] if len(ranks) == 1 else self._shared(ranks[0])

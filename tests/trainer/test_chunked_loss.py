@@ -266,6 +266,7 @@ def test_trainer_auto_chunked_matches_plain(tmp_path, monkeypatch):
     assert plain.chunked_head is None
     monkeypatch.setattr(chunked_loss, "AUTO_CHUNK_ABOVE_BYTES", 4 * 64 * vocab * 4 - 1)
     monkeypatch.setattr(chunked_loss, "AUTO_CHUNK_BYTES", 128 * vocab * 4)
+    monkeypatch.setattr(chunked_loss, "AUTO_CHUNK_MEMORY_SHARE", 0)  # on a GPU: the threshold alone, not a share of it
     auto, lb, gb = run("auto")
     assert auto.chunked_head is not None and auto.chunked_head._flame_chunk_tokens == 128
     assert len(la) == 3 and lb == pytest.approx(la, rel=1e-5, abs=1e-5), (la, lb)
