@@ -8,7 +8,8 @@ fourth (a copy of master and moments). This kernel reads master, moments and gra
 once and writes the new master, moments and compute copy once: in place, or into a second set of
 buffers so that the old state stays as it was.
 
-The kernel is C (OpenMP over the elements), built on first use with the system C compiler
+The kernel is C (OpenMP over blocks of elements; one loop per dtype combination, which the compiler
+vectorizes), built on first use with the system C compiler
 (`$CC`, a command with its arguments, else `cc`; Triton needs one too) into `$XDG_CACHE_HOME/flame/cpu_kernels` (overridable
 with `FLAME_CPU_KERNEL_CACHE`), keyed by the source, compiler and CPU's instruction sets, and called through ctypes, which lets
 go of the GIL for the call. Where no compiler works, or the default cache directory cannot be
@@ -52,68 +53,98 @@ _SOURCE = r"""
 #include <string.h>
 #include <math.h>
 
-static inline float bf16_to_f32(uint16_t h) {
+typedef uint16_t bf16_t;
+
+static inline float bf16_to_f32(bf16_t h) {
     uint32_t u = ((uint32_t)h) << 16;
     float f;
     memcpy(&f, &u, 4);
     return f;
 }
 
-static inline uint16_t f32_to_bf16(float f) {
+/* round to nearest even; a NaN becomes the canonical quiet NaN (a select, so loops vectorize) */
+static inline bf16_t f32_to_bf16(float f) {
     uint32_t u;
     memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  /* NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);                     /* round to nearest even */
-    return (uint16_t)(u >> 16);
+    uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    return (bf16_t)((u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : rounded);
 }
 
-#define LOAD(ptr, bf, i) ((bf) ? bf16_to_f32(((const uint16_t *)(ptr))[i]) : ((const float *)(ptr))[i])
-#define STORE(ptr, bf, i, x) do { if (bf) ((uint16_t *)(ptr))[i] = f32_to_bf16(x); \
-                                  else ((float *)(ptr))[i] = (x); } while (0)
+#define LD_F32(x, i) ((x)[i])
+#define LD_BF16(x, i) bf16_to_f32((x)[i])
+#define ST_F32(x, i, y) ((x)[i] = (y))
+#define ST_BF16(x, i, y) ((x)[i] = f32_to_bf16(y))
 
-/* state (p, m, v) and its destination (P, M, V; may be p, m, v) in one dtype (state_bf16),
-   grads in theirs (grad_bf16); w: the bf16 compute copy or NULL */
-static inline __attribute__((always_inline)) void adamw_range(const void *p, const void *g, const void *m, const void *v,
-                        void *P, void *M, void *V, uint16_t *w, int64_t lo, int64_t hi,
-                        int state_bf16, int grad_bf16, float decay, float step_size, float bc2_sqrt,
-                        float grad_mul, float beta1, float beta2, float eps) {
-    const float a1 = 1.0f - beta1, a2 = 1.0f - beta2;
-    for (int64_t i = lo; i < hi; i++) {
-        float gi = LOAD(g, grad_bf16, i) * grad_mul;
-        float mi = LOAD(m, state_bf16, i);
-        float vi = LOAD(v, state_bf16, i);
-        float mn = mi + a1 * (gi - mi);
-        float vn = beta2 * vi + a2 * gi * gi;
-        float pn = LOAD(p, state_bf16, i) * decay - step_size * mn / (sqrtf(vn) / bc2_sqrt + eps);
-        STORE(M, state_bf16, i, mn);
-        STORE(V, state_bf16, i, vn);
-        STORE(P, state_bf16, i, pn);
-        if (w) w[i] = f32_to_bf16(pn);
+/* One typed loop per (state dtype, grad dtype, in place or not, compute copy or not): restrict
+   pointers and no per-element dtype tests, so that the compiler vectorizes it. In place, the
+   state pointers are also the destinations (two restrict pointers to one buffer would be
+   undefined behaviour). */
+#define ADAMW_BODY(LS, SS, LG, PD, MD, VD, COPY)                                      \
+    for (int64_t i = lo; i < hi; i++) {                                               \
+        float gi = LG(g, i) * grad_mul;                                               \
+        float mi = LS(m, i);                                                          \
+        float vi = LS(v, i);                                                          \
+        float mn = mi + a1 * (gi - mi);                                               \
+        float vn = beta2 * vi + a2 * gi * gi;                                         \
+        float pn = LS(p, i) * decay - step_size * mn / (sqrtf(vn) / bc2_sqrt + eps);  \
+        SS(MD, i, mn);                                                                \
+        SS(VD, i, vn);                                                                \
+        SS(PD, i, pn);                                                                \
+        if (COPY) w[i] = f32_to_bf16(pn);                                             \
     }
-}
 
+#define ARGS_TAIL int64_t lo, int64_t hi, float decay, float step_size, float bc2_sqrt, \
+                  float grad_mul, float a1, float beta2, float a2, float eps
+
+#define DEFINE_ADAMW(NAME, S, G, LS, SS, LG)                                                        \
+static void NAME##_in(S *restrict p, const G *restrict g, S *restrict m, S *restrict v,             \
+                      bf16_t *restrict w, ARGS_TAIL) { ADAMW_BODY(LS, SS, LG, p, m, v, 0) }         \
+static void NAME##_in_copy(S *restrict p, const G *restrict g, S *restrict m, S *restrict v,        \
+                           bf16_t *restrict w, ARGS_TAIL) { ADAMW_BODY(LS, SS, LG, p, m, v, 1) }    \
+static void NAME##_out(const S *restrict p, const G *restrict g, const S *restrict m,               \
+                       const S *restrict v, S *restrict P, S *restrict M, S *restrict V,            \
+                       bf16_t *restrict w, ARGS_TAIL) { ADAMW_BODY(LS, SS, LG, P, M, V, 0) }        \
+static void NAME##_out_copy(const S *restrict p, const G *restrict g, const S *restrict m,          \
+                            const S *restrict v, S *restrict P, S *restrict M, S *restrict V,       \
+                            bf16_t *restrict w, ARGS_TAIL) { ADAMW_BODY(LS, SS, LG, P, M, V, 1) }
+
+DEFINE_ADAMW(f32_f32, float, float, LD_F32, ST_F32, LD_F32)
+DEFINE_ADAMW(f32_bf16, float, bf16_t, LD_F32, ST_F32, LD_BF16)
+DEFINE_ADAMW(bf16_f32, bf16_t, float, LD_BF16, ST_BF16, LD_F32)
+DEFINE_ADAMW(bf16_bf16, bf16_t, bf16_t, LD_BF16, ST_BF16, LD_BF16)
+
+#define DISPATCH(NAME, S, G)                                                                        \
+    if (in_place) {                                                                                 \
+        if (w) NAME##_in_copy((S *)P, (const G *)g, (S *)M, (S *)V, w, lo, hi, decay, step_size,    \
+                              bc2_sqrt, grad_mul, a1, beta2, a2, eps);                              \
+        else NAME##_in((S *)P, (const G *)g, (S *)M, (S *)V, w, lo, hi, decay, step_size,           \
+                       bc2_sqrt, grad_mul, a1, beta2, a2, eps);                                     \
+    } else {                                                                                        \
+        if (w) NAME##_out_copy((const S *)p, (const G *)g, (const S *)m, (const S *)v, (S *)P,      \
+                               (S *)M, (S *)V, w, lo, hi, decay, step_size, bc2_sqrt, grad_mul,     \
+                               a1, beta2, a2, eps);                                                 \
+        else NAME##_out((const S *)p, (const G *)g, (const S *)m, (const S *)v, (S *)P, (S *)M,     \
+                        (S *)V, w, lo, hi, decay, step_size, bc2_sqrt, grad_mul, a1, beta2, a2, eps); \
+    }
+
+/* state (p, m, v) and its destination (P, M, V: either p, m, v themselves or buffers that overlap
+   neither them nor g) in one dtype (state_bf16), grads in theirs (grad_bf16); w: the bf16 compute
+   copy or NULL */
 void flame_adamw(const void *p, const void *g, const void *m, const void *v,
                  void *P, void *M, void *V, uint16_t *w, int64_t n,
                  int state_bf16, int grad_bf16, float decay, float step_size, float bc2_sqrt,
                  float grad_mul, float beta1, float beta2, float eps, int threads) {
     const int64_t block = 1 << 14;
     const int64_t nblocks = (n + block - 1) / block;
-    /* adamw_range is inlined with constant dtype flags: one branch-free loop per combination */
+    const int in_place = P == p;
+    const float a1 = 1.0f - beta1, a2 = 1.0f - beta2;
     #pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
     for (int64_t b = 0; b < nblocks; b++) {
         int64_t lo = b * block, hi = lo + block < n ? lo + block : n;
-        if (!state_bf16 && !grad_bf16 && !w)
-            adamw_range(p, g, m, v, P, M, V, 0, lo, hi, 0, 0, decay, step_size, bc2_sqrt, grad_mul, beta1, beta2, eps);
-        else if (!state_bf16 && !grad_bf16)
-            adamw_range(p, g, m, v, P, M, V, w, lo, hi, 0, 0, decay, step_size, bc2_sqrt, grad_mul, beta1, beta2, eps);
-        else if (!state_bf16 && !w)
-            adamw_range(p, g, m, v, P, M, V, 0, lo, hi, 0, 1, decay, step_size, bc2_sqrt, grad_mul, beta1, beta2, eps);
-        else if (!state_bf16)
-            adamw_range(p, g, m, v, P, M, V, w, lo, hi, 0, 1, decay, step_size, bc2_sqrt, grad_mul, beta1, beta2, eps);
-        else if (!grad_bf16)
-            adamw_range(p, g, m, v, P, M, V, w, lo, hi, 1, 0, decay, step_size, bc2_sqrt, grad_mul, beta1, beta2, eps);
-        else
-            adamw_range(p, g, m, v, P, M, V, w, lo, hi, 1, 1, decay, step_size, bc2_sqrt, grad_mul, beta1, beta2, eps);
+        if (!state_bf16 && !grad_bf16) { DISPATCH(f32_f32, float, float) }
+        else if (!state_bf16) { DISPATCH(f32_bf16, float, bf16_t) }
+        else if (!grad_bf16) { DISPATCH(bf16_f32, bf16_t, float) }
+        else { DISPATCH(bf16_bf16, bf16_t, bf16_t) }
     }
 }
 """
@@ -186,6 +217,11 @@ def unavailable_reason() -> str | None:
     return _error
 
 
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    lo_a, lo_b = a.data_ptr(), b.data_ptr()
+    return lo_a < lo_b + b.numel() * b.element_size() and lo_b < lo_a + a.numel() * a.element_size()
+
+
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
@@ -208,6 +244,11 @@ def adamw(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_av
         raise ValueError(f"cpu_adamw: master and moments of one dtype, float32 or bfloat16 (got {param.dtype})")
     if grad.dtype not in DTYPES or (compute_copy is not None and compute_copy.dtype != torch.bfloat16):
         raise ValueError("cpu_adamw: grads float32 or bfloat16, compute copy bfloat16")
+    # the kernel's loops take their buffers as non-overlapping (restrict): in place means every
+    # destination is its state tensor, out of place that no destination overlaps an input
+    writes = ((*dst,) if out is not None else ()) + ((compute_copy,) if compute_copy is not None else ())
+    if any(_overlap(d, r) for d in writes for r in (*state, grad)):
+        raise ValueError("cpu_adamw: out and compute_copy must not overlap the state or the grads")
     _lib(param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
          dst[0].data_ptr(), dst[1].data_ptr(), dst[2].data_ptr(), _ptr(compute_copy), n,
          int(state_bf16), int(grad.dtype == torch.bfloat16), 1.0 - lr * weight_decay,
