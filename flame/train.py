@@ -146,6 +146,9 @@ class Trainer(Stateful):
         t = cfg.training
         _check_dump_folder(cfg.job.dump_folder)
         self.device = local_device()
+        if cfg.profiling.enable_memory_snapshot and self.device.type != "cuda":
+            raise ConfigError(f"profiling.enable_memory_snapshot: snapshots record CUDA allocations; this run is on "
+                              f"{self.device.type}")
         prepare_triton_autotune(self.device.type)
         world_size = init_process_group(cfg.comm, cfg.job.dump_folder)
         # before anything is allocated on the GPU: the allocator's settings and reserved-bytes cap
@@ -467,14 +470,15 @@ class Trainer(Stateful):
         data_iter = iter(self.dataloader)
         from torchtitan.tools.utils import GarbageCollection
 
-        from flame.components.profiling import training_profiler
+        from flame.components.profiling import memory_snapshots, training_profiler
 
         # automatic GC off, generation-1 collection every training.gc_freq steps (as torchtitan):
         # no gen-2 pauses at random steps
         gc_handler = GarbageCollection(gc_freq=cfg.training.gc_freq, debug=cfg.training.gc_debug)
 
         with training_profiler(cfg.profiling, global_step=self.step, base_folder=cfg.job.dump_folder,
-                               device=self.device, last_step=cfg.training.steps) as prof:
+                               device=self.device, last_step=cfg.training.steps) as prof, \
+                memory_snapshots(cfg.profiling, global_step=self.step, base_folder=cfg.job.dump_folder) as snapshots:
             while self.step < cfg.training.steps:
                 self.step += 1
                 stop.poll()  # shares this rank's stop flag while the step runs
@@ -499,6 +503,8 @@ class Trainer(Stateful):
                     self.probe()
                 if prof:
                     prof.step()
+                if snapshots:
+                    snapshots.step()
                 if self.step == 1 and self.device.type == "cuda":
                     # shorter timeout once compilation and lazy init are done (its barrier is CUDA-only)
                     dist_utils.set_pg_timeouts(timedelta(seconds=cfg.comm.train_timeout_seconds), self.parallel_dims)

@@ -66,6 +66,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
                 _add_weight_grad(dw, gc, h * keep)
             if db is not None:
                 db += torch.where(valid[:, None], gc, 0).to(acc).sum(0)
+            del gc, keep  # not alive beside the next chunk's logits
         # kept for the backward in the parameters' dtype (what their grads are): the float32
         # accumulators live only until here
         dw = dw.to(weight.dtype) if dw is not None else None

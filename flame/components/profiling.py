@@ -1,4 +1,8 @@
-"""torch.profiler traces of the training loop (``[profiling]``), on every device the trainer runs on.
+"""torch.profiler traces of the training loop (``[profiling]``), on every device the trainer runs on,
+and CUDA memory snapshots (``profiling.enable_memory_snapshot``, torchtitan's: one every
+``profile_freq`` steps and one when a step runs out of GPU memory, under
+``<dump>/<save_memory_snapshot_folder>/iteration_<step>[_exit]/rank<r>_memory_snapshot.pickle``,
+for https://pytorch.org/memory_viz).
 
 torchtitan's schedule and file layout (``<dump>/<save_traces_folder>/iteration_<step>/rank<r>_trace.json``,
 one trace every ``profile_freq`` steps after ``profiler_warmup`` steps of warmup, for
@@ -49,3 +53,16 @@ def training_profiler(cfg, *, global_step: int, base_folder: str, device: torch.
                                 record_shapes=True) as prof:
         prof.step_num = global_step
         yield prof
+
+
+@contextlib.contextmanager
+def memory_snapshots(cfg, *, global_step: int, base_folder: str):
+    """torchtitan's memory snapshot recorder to ``step()`` once per training step (it also writes a
+    snapshot when the loop raises torch.OutOfMemoryError), or None when snapshots are off."""
+    if not cfg.enable_memory_snapshot:
+        yield None
+        return
+    from torchtitan.tools.profiling import maybe_enable_memory_snapshot
+
+    with maybe_enable_memory_snapshot(cfg, global_step=global_step, base_folder=base_folder) as recorder:
+        yield recorder

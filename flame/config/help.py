@@ -30,7 +30,6 @@ from flame.config.manager import _ALIASES
 HIDDEN_SECTIONS = ("quantize", "memory_estimation", "fault_tolerance", "experimental")
 HIDDEN = {
     "job.save_config_file", "job.print_config", "job.print_args",
-    "profiling.enable_memory_snapshot", "profiling.save_memory_snapshot_folder",
     "metrics.disable_color_printing",
     "model.name", "model.flavor", "model.hf_assets_path", "model.converters", "model.print_after_conversion",
     "optimizer.early_step_in_backward",

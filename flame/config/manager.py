@@ -509,6 +509,9 @@ def validate(cfg) -> None:
         raise ConfigError(f"profiling.profile_freq {prof.profile_freq}: a profiling cycle must hold "
                           f"profiling.profiler_warmup ({prof.profiler_warmup}, at least 0) + profiling.profiler_active "
                           f"({prof.profiler_active}, at least 1) steps")
+    if prof.enable_memory_snapshot and prof.profile_freq < 1:
+        raise ConfigError(f"profiling.profile_freq {prof.profile_freq}: memory snapshots are written every "
+                          "profile_freq steps; must be >= 1")
     validate_lora(cfg)
 
 

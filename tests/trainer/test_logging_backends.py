@@ -104,3 +104,56 @@ def test_peak_flops_without_lspci_has_no_warning(monkeypatch, caplog):
     assert "lspci" not in caplog.text
     assert got == get_peak_flops("NVIDIA H100 80GB HBM3") == 989e12
     assert "lspci" in caplog.text  # torchtitan's own call still warns: the filter is gone afterwards
+
+
+@pytest.mark.parametrize("extra, fragment", [
+    ([], "profiling.enable_memory_snapshot: snapshots record CUDA allocations; this run is on cpu"),
+    (["--profiling.profile_freq", "0"], "profiling.profile_freq 0: memory snapshots"),
+])
+def test_memory_snapshot_mistakes_are_one_line_errors(tmp_path, extra, fragment):
+    import torch
+
+    if torch.cuda.is_available() and not extra:
+        pytest.skip("on a GPU machine the run is on cuda")
+    from tests.trainer.helpers import run_python, tiny_job
+
+    proc = run_python(["-m", "flame.train", *tiny_job(str(tmp_path / "run"), "--training.steps", "2"),
+                       "--profiling.enable_memory_snapshot", *extra])
+    errors = [l for l in proc.stderr.splitlines() if l.startswith("flame: error:")]
+    assert proc.returncode == 2 and len(errors) == 1 and fragment in errors[0], proc.stderr[-3000:]
+
+
+def test_memory_snapshot_on_gpu_every_freq_steps_and_at_an_oom(tmp_path):
+    """A snapshot every profile_freq steps and one at the step that ran out of memory (a GPU cap
+    far below the model's needs), each readable by benchmarks/memory_snapshot.py."""
+    import subprocess
+    import sys
+
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from tests.trainer.helpers import ROOT, run_python, tiny_job
+
+    dump = str(tmp_path / "run")
+    proc = run_python(["-m", "flame.train", *tiny_job(dump, "--training.steps", "2", "--checkpoint.no-enable"),
+                       "--profiling.enable_memory_snapshot", "--profiling.profile_freq", "2"], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    pickles = glob.glob(os.path.join(dump, "memory_snapshot", "iteration_*", "rank0_memory_snapshot.pickle"))
+    assert [os.path.basename(os.path.dirname(p)) for p in pickles] == ["iteration_2"], pickles
+    summary = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks/memory_snapshot.py"), pickles[0]],
+                             capture_output=True, text=True)
+    assert summary.returncode == 0 and "GiB allocated in" in summary.stdout, summary.stderr[-2000:]
+    # a step that runs out of memory: the exit snapshot (torchtitan names it after the step before)
+    from tests.trainer.helpers import train_in_process
+
+    def run_out_of_memory(trainer):
+        def step(data_iter):
+            raise torch.OutOfMemoryError("CUDA out of memory (raised by the test)")
+        trainer.train_step = step
+
+    dump = str(tmp_path / "oom")
+    with pytest.raises(torch.OutOfMemoryError):
+        train_in_process([*tiny_job(dump, "--training.steps", "2", "--checkpoint.no-enable"),
+                          "--profiling.enable_memory_snapshot", "--profiling.profile_freq", "2"], run_out_of_memory)
+    assert glob.glob(os.path.join(dump, "memory_snapshot", "iteration_0_exit", "rank0_memory_snapshot.pickle"))
