@@ -5,8 +5,8 @@ cross-entropy keeps the log-softmax for the backward on top of that. Here the he
 log-sum-exp and both gradients are computed chunk by chunk in the forward (the loss is the last
 op of the graph, so its incoming gradient is a scalar that only rescales them); the backward
 multiplies the stored gradients by that scalar. Extra memory inside the forward: one [chunk, vocab]
-float32 tensor (the log-probabilities, turned into the logits' gradient in place) with its
-input-dtype copy, and a float32 accumulator of the head's weight gradient; until the backward, the
+float32 tensor (the logits, turned into the softmax and then the logits' gradient in place) beside
+an input-dtype [chunk, vocab] tensor (the logits before, the gradient's copy after), and a float32 accumulator of the head's weight gradient; until the backward, the
 hidden-state and weight gradients (in their own dtypes).
 Same FLOPs as the unchunked head (three matmuls per token).
 
@@ -45,18 +45,22 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             h, y = hidden[lo:lo + chunk], labels[lo:lo + chunk]
             valid = y != IGNORE_INDEX
             safe = torch.where(valid, y, 0)
-            # the logits in the input dtype straight to log-probabilities in `acc` (on CUDA one
-            # kernel: no converted copy of the [chunk, vocab] logits)
-            logp = torch.log_softmax(F.linear(h, weight, bias), dim=-1, dtype=acc)
-            loss -= torch.where(valid, logp.gather(1, safe[:, None]).squeeze(1), 0.0).sum()
+            # the logits in `acc`, then softmax in place: one [chunk, vocab] tensor in `acc` beside
+            # the input-dtype logits while they convert (log_softmax(..., dtype=acc) of bf16 logits
+            # holds a converted copy and its output at once)
+            z = F.linear(h, weight, bias).to(acc)
+            top = z.amax(dim=-1, keepdim=True)
+            picked = z.gather(1, safe[:, None]) - top
+            total = z.sub_(top).exp_().sum(dim=-1, keepdim=True)
+            loss -= torch.where(valid, (picked - total.log()).squeeze(1), 0.0).sum()
             if dh is None and dw is None and db is None:
                 continue
             # d(sum CE)/dz = softmax(z) - onehot(label), in place; ignored tokens' rows are zeroed
             # through the small tensors they meet (hidden rows, dh rows), not a [chunk, vocab] pass
-            g = logp.exp_()
+            g = z.div_(total)
             g.scatter_add_(1, safe[:, None], -valid[:, None].to(g.dtype))
             gc = g.to(hidden.dtype)
-            del logp, g
+            del z, g
             keep = valid[:, None].to(hidden.dtype)
             if dh is not None:
                 # a plain matmul (not out=): under autocast it runs in the autocast dtype

@@ -4,11 +4,14 @@ The op against float64 autograd on fresh random inputs; the head swap on a real 
 trainer with and without chunking (one process, FSDP2 on two gloo ranks, the offload engine, varlen)."""
 
 import os
+import weakref
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from flame.components import chunked_loss
 from flame.components.chunked_loss import (chunked_head_loss, choose_loss_chunk_tokens, install_chunked_head,
@@ -58,6 +61,50 @@ def test_bf16_weight_grad_in_row_blocks_matches_float64(chunk):
         assert a.dtype == torch.bfloat16
         err = (a.double() - r).abs().max() / r.abs().max()
         assert err < 2e-2, (SEED, chunk, err)
+
+
+class _LiveBytes(TorchDispatchMode):
+    """Peak bytes of the storages that ops create while the mode is on, each counted until the last
+    tensor object viewing it is gone."""
+
+    def __init__(self):
+        super().__init__()
+        self.refs, self.size, self.now, self.peak = {}, {}, 0, 0
+
+    def _drop(self, key):
+        self.refs[key] -= 1
+        if not self.refs[key]:
+            self.now -= self.size.pop(key)
+            del self.refs[key]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes():
+                key = t.untyped_storage().data_ptr()
+                if key not in self.size:
+                    self.size[key], self.refs[key] = t.untyped_storage().nbytes(), 0
+                    self.now += self.size[key]
+                    self.peak = max(self.peak, self.now)
+                self.refs[key] += 1
+                weakref.finalize(t, self._drop, key)
+        return out
+
+
+def test_bf16_forward_peak_is_what_the_planner_counts():
+    """Inside the forward, bf16 logits: the float32 weight-grad accumulator, the hidden-state grad
+    and per chunk one float32 [chunk, vocab] tensor beside the bf16 logits (the offload planner's
+    `loss_chunk_transient_bytes`). log_softmax(bf16, dtype=float32) held a converted copy and its
+    output at once: 16 MiB more here."""
+    n, d, v, c = 2048, 64, 8192, 512
+    g = torch.Generator().manual_seed(SEED)
+    h = torch.randn(n, d, generator=g).bfloat16().requires_grad_()
+    w = (torch.randn(v, d, generator=g) * d**-0.5).bfloat16().requires_grad_()
+    y = torch.randint(0, v, (n,), generator=g)
+    with _LiveBytes() as live:
+        chunked_loss.linear_cross_entropy_sum(h, w, None, y, c)
+    planned = v * d * 4 + max(c * v * (4 + 2), v * d * 2)
+    assert live.peak <= planned + n * d * 2 + 2**20, (live.peak / 2**20, planned / 2**20)
 
 
 def test_only_requested_grads_and_all_ignored():

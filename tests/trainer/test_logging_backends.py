@@ -109,11 +109,12 @@ def test_peak_flops_without_lspci_has_no_warning(monkeypatch, caplog):
 @pytest.mark.parametrize("extra, fragment", [
     ([], "profiling.enable_memory_snapshot: snapshots record CUDA allocations; this run is on cpu"),
     (["--profiling.profile_freq", "0"], "profiling.profile_freq 0: memory snapshots"),
+    (["--offload.enable", "on", "--training.compile"], "with offload.enable on and training.compile"),
 ])
 def test_memory_snapshot_mistakes_are_one_line_errors(tmp_path, extra, fragment):
     import torch
 
-    if torch.cuda.is_available() and not extra:
+    if torch.cuda.is_available() and "cpu" in fragment:
         pytest.skip("on a GPU machine the run is on cuda")
     from tests.trainer.helpers import run_python, tiny_job
 
