@@ -64,6 +64,7 @@ def build_plan(model, job_config, device, world: int = 1, threads_from_profile: 
     if off.plan != "auto":
         plan = Plan.load(off.plan)
         plan.check_shape(off.plan, accum * local, seq)
+        plan.check_options(off.plan, off)
         return plan, None, None
     candidates = micro_batch_candidates(local, seq, off.micro_batch_tokens, bool(_get(job_config, "training.varlen", False)))
     cdt = getattr(torch, off.compute_dtype)

@@ -23,7 +23,7 @@ import torch
 
 from flame.config.manager import FlameConfigManager, accumulation_steps
 from flame.errors import ConfigError
-from flame.offload import build_plan
+from flame.offload import build_plan, check_parallel_dims
 from flame.offload.config import Offload
 from flame.offload.planner.block_costs import ModelCosts
 from flame.offload.planner.plan import Plan
@@ -37,7 +37,8 @@ HELP_OPTIONS = (
     "job.config_file", "model.config", "training.batch_size", "training.seq_len", "training.varlen",
     "training.context_len", "training.gradient_accumulation_steps", "training.global_batch_size",
     "training.loss_chunk_tokens", "training.data_parallel_shard_degree",
-    "training.data_parallel_replicate_degree",
+    "training.data_parallel_replicate_degree", "training.tensor_parallel_degree", "training.compile",
+    "job.dump_folder", "model.module", "lora.rank", "lora.targets",
 )
 
 
@@ -114,6 +115,10 @@ def main(argv: list[str] | None = None) -> int:
             from flame.components.muon import refuse_offloaded_muon
 
             refuse_offloaded_muon(job)
+        if plan.offloads or off.enable == "on":  # the trainer's engine refuses these (apply_offload)
+            par = job.parallelism
+            check_parallel_dims(SimpleNamespace(tp=par.tensor_parallel_degree, pp=par.pipeline_parallel_degree,
+                                                cp=par.context_parallel_degree))
     except ConfigError as e:
         print(f"flame: error: {e}", file=sys.stderr)
         return 2

@@ -6,6 +6,7 @@ The lead's JobConfig includes it as section ``offload``:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from typing import Literal
 
@@ -130,12 +131,15 @@ class Offload:
             raise ConfigError(f"offload.enable={self.enable!r}: expected auto, on or off")
         for name in ("gpu_memory_gib", "host_memory_gib", "gpu_margin_gib", "host_margin_gib"):
             v = getattr(self, name)
-            if not isinstance(v, (int, float)) or v < 0:
+            if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 raise ConfigError(f"offload.{name}={v!r}: expected a number >= 0")
         for name in ("compute_dtype", "master_dtype", "grad_dtype", "moment_dtype"):
             v = getattr(self, name)
             if v not in DTYPES:
                 raise ConfigError(f"offload.{name}={v!r}: expected one of {', '.join(DTYPES)}")
+        if self.moment_dtype != self.master_dtype:  # the engine's AdamW (as torch's) keeps them in one dtype
+            raise ConfigError(f"offload.moment_dtype={self.moment_dtype!r}: must equal offload.master_dtype "
+                              f"({self.master_dtype!r})")
         for name in ("prefetch_depth", "micro_batch_tokens", "cpu_threads"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 0:

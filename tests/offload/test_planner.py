@@ -207,6 +207,24 @@ def test_stored_profiles_of_other_versions_load(tmp_path):
         load(str(path))
 
 
+@pytest.mark.parametrize("content, why", [
+    ([1, 2], "a JSON object expected, got list"),
+    (dict(h2d_gbps="fast"), "h2d_gbps='fast': expected float"),
+    (dict(cpu_cores=None), "cpu_cores=None: expected int"),
+    (dict(gemm_tflops=700), "gemm_tflops=700: expected dict"),
+    (dict(gemm_tflops={"8x8x8": 1.0}), "gemm_tflops: no 'default' rate"),
+    (dict(cpu_adam_gparams={}), "cpu_adam_gparams={}: expected rates by thread count"),
+])
+def test_a_damaged_profile_is_one_error_naming_the_field(tmp_path, content, why):
+    """A hand-edited or truncated profile: the one-line profile error, not a traceback in the planner."""
+    import json
+
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(content if isinstance(content, list) else dict(dataclasses.asdict(prof()), **content)))
+    with pytest.raises(ConfigError, match=re.escape(f"not a hardware profile ({why}")):
+        load(str(path))
+
+
 def test_cpu_adam_measured_per_dtype_on_this_machine():
     from flame.offload.measure.hardware import measure_cpu_adam
 
@@ -312,13 +330,20 @@ def test_plan_file_and_profile_roundtrip(costs, tmp_path):
 
 def test_a_replayed_plan_must_be_for_the_run_s_shape(costs):
     """A plan file holds the micro-batch, rounds and sequence length its memory and time are for:
-    replayed on another shape it is an error naming both, and it prints as one readable line."""
+    replayed on another shape it is an error naming both, and it prints as one readable line.
+    Its dtypes and speculative step are the run's: options asking otherwise (ignored before) are
+    an error naming both."""
     plan = solve(costs, prof(), Dtypes(), 3 * GiB, 64 * GiB, 2, 1, 15)   # micro-batch 2, one round
     plan.check_shape("p.json", 2, plan.seq_len)
     with pytest.raises(ConfigError, match=f"made for sequences of {plan.seq_len} tokens, the run has training.seq_len 7"):
         plan.check_shape("p.json", 2, 7)
     with pytest.raises(ConfigError, match=r"made for 2 x 1 sequences a step .* the run has 4 "):
         plan.check_shape("p.json", 4, plan.seq_len)
+    plan.check_options("p.json", Offload())
+    with pytest.raises(ConfigError, match="made for offload.master_dtype float32, the run has bfloat16"):
+        plan.check_options("p.json", Offload(master_dtype="bfloat16", moment_dtype="bfloat16"))
+    with pytest.raises(ConfigError, match="made without offload.speculative_step, the run has it on"):
+        plan.check_options("p.json", Offload(speculative_step=True))
     line = plan.summary()
     assert line.startswith(f"{len(plan.layer_modes)} blocks, micro-batch 2x{plan.seq_len}, 1 round(s)/step, "
                            "predicted step ") and "{" not in line
@@ -354,6 +379,23 @@ def test_config_validation():
         Offload(gpu_memory_gib=-1).validate()
 
 
+@pytest.mark.parametrize("name", ["gpu_memory_gib", "host_memory_gib", "gpu_margin_gib", "host_margin_gib"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_a_budget_that_is_not_a_finite_number_is_one_error(name, value):
+    """`--offload.host_memory_gib nan` planned with this machine's memory (nan compared false with
+    0), and `--offload.gpu_memory_gib nan|inf` crashed converting it to bytes."""
+    with pytest.raises(ConfigError, match=f"offload.{name}={value!r}: expected a number >= 0"):
+        Offload(**{name: value}).validate()
+
+
+def test_moments_in_another_dtype_than_the_masters_is_one_error():
+    """The docs' `moment_dtype must equal master_dtype`: the calculator planned such a run, which
+    the trainer's engine then refused after building the model."""
+    with pytest.raises(ConfigError, match="offload.moment_dtype='float32': must equal offload.master_dtype"):
+        Offload(master_dtype="bfloat16").validate()
+    Offload(master_dtype="bfloat16", moment_dtype="bfloat16").validate()
+
+
 def test_cli_infeasible_exits_nonzero(tmp_path, capsys):
     from flame.offload import calculator as cli
 
@@ -372,6 +414,22 @@ def test_cli_infeasible_exits_nonzero(tmp_path, capsys):
     assert "micro-batch 3x512" in capsys.readouterr().out
     assert cli.main(args[:-2] + ["--offload.host_memory_gib", "8", "--offload.gpu_memory_gib", "2"]) == 0
     assert "predicted step" in capsys.readouterr().out
+
+
+def test_cli_refuses_offload_with_tensor_pipeline_or_context_parallelism(tmp_path, capsys):
+    """The trainer's engine refuses them with one line (check_parallel_dims); the calculator printed
+    a plan for such a run and exited 0."""
+    from flame.offload import calculator as cli
+
+    save(prof(), str(tmp_path / "prof.json"))
+    args = ["--offload.profile", str(tmp_path / "prof.json"), "--offload.host_memory_gib", "8", "--offload.enable", "on"]
+    for option in ("tensor_parallel_degree", "pipeline_parallel_degree", "context_parallel_degree"):
+        assert cli.main(args + [f"--parallelism.{option}", "2"]) == 2
+        assert capsys.readouterr().err.splitlines() == [
+            f"flame: error: offload: parallelism.{option} 2: the offload engine composes with data parallelism "
+            "only (set it to 1 or offload.enable=off)"]
+    assert cli.main(args[:-1] + ["auto", "--parallelism.tensor_parallel_degree", "2"]) == 0  # fits: no engine
+    assert "everything fits" in capsys.readouterr().out
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the errors of a machine without a GPU")

@@ -239,7 +239,12 @@ def test_plan_help_shows_the_job_it_plans(capsys):
     out = capsys.readouterr().out
     assert f"--model.config STR  [{model}]" in out and f"--training.seq_len INT  [{seq}]" in out
     assert main(["--training.seq_len", "512", "--help"]) == 0
-    assert "--training.seq_len INT  [512]" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "--training.seq_len INT  [512]" in out
+    # the options it reads beyond offload's and the shape (docs/offload.md's LoRA example uses --lora.rank)
+    for option in ("--lora.rank", "--lora.targets", "--job.dump_folder", "--training.compile",
+                   "--training.tensor_parallel_degree"):
+        assert f"\n  {option} " in out, option
 
 
 def test_launch_config_check_parses_without_importing_fla(tmp_path):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 from flame.errors import ConfigError
 
@@ -99,8 +99,37 @@ RETIRED_FIELDS = (
 )
 
 
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def from_dict(d: dict) -> HardwareProfile:
-    return HardwareProfile(**{k: v for k, v in d.items() if k not in RETIRED_FIELDS})
+    """TypeError for what is not a profile: not an object, a field unknown or missing, or a field
+    whose value is not of its kind (a hand-edited or truncated file)."""
+    if not isinstance(d, dict):
+        raise TypeError(f"a JSON object expected, got {type(d).__name__}")
+    p = HardwareProfile(**{k: v for k, v in d.items() if k not in RETIRED_FIELDS})
+    for f in fields(p):
+        v = getattr(p, f.name)
+        if f.type == "str":
+            ok = isinstance(v, str)
+        elif f.type in ("int", "float"):
+            ok = _number(v)
+        elif f.type == "bool":
+            ok = isinstance(v, bool)
+        elif f.type == "dict[str, float]":  # rates by GEMM shape or thread count
+            ok = isinstance(v, dict) and all(_number(r) for r in v.values())
+        else:
+            ok = isinstance(v, dict)
+        if not ok:
+            raise TypeError(f"{f.name}={v!r}: expected {f.type}")
+    if "default" not in p.gemm_tflops:
+        raise TypeError("gemm_tflops: no 'default' rate")
+    for name in ("cpu_adam_gparams", "cpu_adam_bf16_gparams"):  # the bf16 table may be empty
+        table = getattr(p, name)
+        if not all(k.isdigit() for k in table) or not (table or name == "cpu_adam_bf16_gparams"):
+            raise TypeError(f"{name}={table!r}: expected rates by thread count")
+    return p
 
 
 def load(path: str) -> HardwareProfile:

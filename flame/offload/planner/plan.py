@@ -85,6 +85,17 @@ class Plan:
                               f"step (micro-batch x rounds), the run has {step_sequences} (training.batch_size "
                               "x gradient_accumulation_steps)")
 
+    def check_options(self, path: str, off) -> None:
+        """A replayed plan runs with the dtypes and the CPU step it was made for: an `offload`
+        option asking for others would be ignored, so it is an error naming both."""
+        for key in ("compute", "master", "grad", "moment"):
+            if self.dtypes.get(key) != getattr(off, f"{key}_dtype"):
+                raise ConfigError(f"offload.plan={path!r}: made for offload.{key}_dtype {self.dtypes.get(key)}, "
+                                  f"the run has {getattr(off, f'{key}_dtype')}")
+        if self.speculative_step != off.speculative_step:
+            raise ConfigError(f"offload.plan={path!r}: made {'with' if self.speculative_step else 'without'} "
+                              f"offload.speculative_step, the run has it {'on' if off.speculative_step else 'off'}")
+
     @staticmethod
     def load(path: str) -> "Plan":
         try:
