@@ -31,7 +31,7 @@ from flame.components.chunked_loss import (choose_loss_chunk_tokens, chunked_hea
                                            take_chunked_loss, uninstall_chunked_head)
 from flame.components.loss import IGNORE_INDEX, compiled_cross_entropy_sum, cross_entropy_sum, uses_compiled_loss
 from flame.components.metrics import MetricsLogger, write_run_summary
-from flame.components.optimizer import lr_at_loaded_step
+from flame.components.optimizer import group_settings, lr_at_loaded_step
 from flame.config.manager import FlameConfigManager, accumulation_steps
 from flame.distributed.device import init_process_group, local_device
 from flame.errors import ConfigError, NonFiniteError
@@ -450,9 +450,10 @@ class Trainer(Stateful):
     def train(self) -> int:
         """Train to ``training.steps``; returns the exit code (0, or 128 + signal after a stop request)."""
         cfg = self.cfg
+        settings = group_settings(self.lr_schedulers)
         resumed = self.checkpointer.load(step=cfg.checkpoint.load_step)
         if resumed:
-            lr_at_loaded_step(self.lr_schedulers)
+            lr_at_loaded_step(self.lr_schedulers, settings)
         if cfg.model.init_from:
             from flame.components.init_from import load_init_from
 

@@ -174,6 +174,15 @@ def verify(entry: StepFolder, rank: int = 0, world: int = 1) -> str | None:
     return None
 
 
+# the non-model states of a checkpoint (the model's tensors are stored under their own names)
+_NON_MODEL_STATES = ("optimizer", "lr_scheduler", "dataloader", "train_state", "lora_rng")
+
+
+def saved_model_keys(metadata_keys) -> list[str]:
+    """The model's tensor names among a DCP checkpoint's keys (everything but the non-model states)."""
+    return [k for k in metadata_keys if k.split(".", 1)[0] not in _NON_MODEL_STATES]
+
+
 def mismatch_message(exc: BaseException) -> str | None:
     """'tensor X is [a, b] in the checkpoint, [c, d] in this model' from DCP's load errors."""
     texts = [str(exc)]
@@ -191,6 +200,17 @@ def mismatch_message(exc: BaseException) -> str | None:
         if m:
             return f"tensor {m.group(1)} of this model is not in the checkpoint"
     return None
+
+
+def holds_optimizer_state(checkpoint_id: str) -> bool:
+    """The DCP checkpoint has optimizer state (of whichever optimizer saved it)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        keys = FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata
+    except Exception:  # an unreadable checkpoint: the error at hand says more
+        return False
+    return any(key.startswith("optimizer.state.") for key in keys)
 
 
 def names_with_wrapper_parts(checkpoint_id: str) -> bool:
@@ -424,7 +444,19 @@ class FlameCheckpointManager(CheckpointManager):
                 self._warn(f"checkpoint: {checkpoint_id} holds no LoRA adapters; {len(fresh)} adapter tensors "
                            "keep their initialization")
                 state_dict = {k: v for k, v in state_dict.items() if k not in fresh}
-        return super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
+        asked = set(state_dict)
+        super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
+        if not from_hf:
+            # DCP loads the keys asked for and ignores the rest: a model with fewer tensors than the
+            # checkpoint (fewer layers, no LoRA adapters) would drop some of its weights silently
+            from torch.distributed.checkpoint import FileSystemReader
+
+            saved = FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata
+            extra = [k for k in saved_model_keys(saved) if k not in asked]
+            if extra:
+                raise ConfigError(f"checkpoint {checkpoint_id} does not fit this run: tensor {extra[0]} of the "
+                                  f"checkpoint is not in this model ({len(extra)} such; resuming with another "
+                                  "model config?)")
 
     @staticmethod
     def _guarded(fn, where: str):
@@ -435,7 +467,9 @@ class FlameCheckpointManager(CheckpointManager):
             detail = mismatch_message(e)
             if detail is None:
                 raise
-            if detail.startswith("it holds no"):
+            if detail.startswith("it holds no optimizer") and holds_optimizer_state(where):
+                detail, hint = "its optimizer state is another optimizer's", " (resuming with another optimizer.name?)"
+            elif detail.startswith("it holds no"):
                 hint = ""
             elif names_with_wrapper_parts(where):
                 hint = (" (its tensors are named with torch.compile/activation-checkpointing wrapper parts such "

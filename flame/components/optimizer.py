@@ -105,13 +105,28 @@ def build_optimizers(model_parts: list[nn.Module], optimizer_config, device: tor
     return GroupedOptimizersContainer(model_parts, make, kwargs)
 
 
-def lr_at_loaded_step(lr_schedulers) -> None:
+def group_settings(lr_schedulers) -> list[list[dict]]:
+    """Every param group's settings but its parameters (lr, weight decay, betas, eps, ...) per
+    scheduled optimizer: this run's, taken before a checkpoint replaces them (``lr_at_loaded_step``)."""
+    return [[{k: v for k, v in g.items() if k != "params"} for g in s.optimizer.param_groups]
+            for s in lr_schedulers.schedulers]
+
+
+def lr_at_loaded_step(lr_schedulers, settings: list[list[dict]] | None = None) -> None:
     """Set every param group's lr to what this run's schedule gives at the step its schedulers were
     loaded at. A checkpoint's optimizer state holds the lr of the run that saved it; with the same
     schedule the value is the same, with another ``training.steps`` or schedule the first resumed
-    step would otherwise run at the old schedule's lr and the next at the new one's."""
-    for s in lr_schedulers.schedulers:
+    step would otherwise run at the old schedule's lr and the next at the new one's.
+
+    ``settings`` (``group_settings`` before the load): the checkpoint's group settings and peak
+    lrs give way to this run's, so a resume with another ``optimizer.lr``, ``weight_decay``, betas,
+    eps or ``name`` (Adam/AdamW) runs with them instead of silently keeping the saved ones."""
+    for i, s in enumerate(lr_schedulers.schedulers):
         groups = s.optimizer.param_groups
+        if settings is not None and len(settings[i]) == len(groups):
+            for group, own in zip(groups, settings[i]):
+                group.update(own)
+            s.base_lrs = [g["initial_lr"] for g in groups]
         if len(s.base_lrs) != len(groups):
             # the parameters split into groups by layout too (tensor parallel DTensors apart from plain
             # tensors): a run resumed under another layout has another number of groups

@@ -90,18 +90,22 @@ def load_config(model_config):
         raise ConfigError(f"model config {path!r} cannot be read: {str(e).splitlines()[0]}") from None
 
 
+def _meta_model(config):
+    from transformers import AutoModelForCausalLM
+
+    from flame.models.flops import _attention_buildable
+    register_families()
+    with torch.device('meta'), _attention_buildable():
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
 def model_keys(config) -> dict[str, tuple[torch.Size, torch.dtype]]:
     """Keys to export -> (shape, dtype), from a meta-device build.
 
     Parameters shared by several names (tied embeddings) are listed once, under the name HF keeps
     (the first registered: the input embedding), as ``save_pretrained`` does.
     """
-    from transformers import AutoModelForCausalLM
-
-    from flame.models.flops import _attention_buildable
-    register_families()
-    with torch.device('meta'), _attention_buildable():
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = _meta_model(config)
     keys = {}
     sd_keys = set(model.state_dict().keys())
     for name, p in model.named_parameters():  # remove_duplicate=True drops tied aliases
@@ -309,6 +313,12 @@ def export_hf(model_state_dict_or_checkpoint_dir: dict[str, torch.Tensor] | str,
             raise ConfigError(f"checkpoint folder {ckpt!r} does not exist")
         metadata = _dcp_metadata(ckpt)
         _check_against_metadata(keys, metadata, ckpt)
+        from flame.components.checkpoint import saved_model_keys
+        names = set(_meta_model(config).state_dict())  # tied aliases too: the checkpoint holds them
+        extra = [k for k in saved_model_keys(metadata) if k not in names and not is_adapter_key(k)]
+        if extra:
+            raise ConfigError(f"checkpoint {ckpt!r} holds {len(extra)} model key(s) this config lacks, "
+                              f"e.g. {extra[0]!r}: wrong --config for this checkpoint?")
         present = metadata
     else:
         sd = model_state_dict_or_checkpoint_dir
@@ -402,10 +412,28 @@ def hf_to_dcp(hf_dir: str, checkpoint_dir: str, dtype: str | torch.dtype = 'floa
         raise ConfigError(f"checkpoint folder {checkpoint_dir!r} exists and is not empty")
     from flame.models.cpu import install_attention_standins
     install_attention_standins()  # hybrids check for flash-attn at construction
+    from transformers.utils import logging as hf_logging
+    verbosity, bar = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()  # its load report: the mismatches are one line below
+    hf_logging.disable_progress_bar()
     try:
-        model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype)
+        # safetensors only (a pickle runs code: docs/training.md, "Security"), as model.init_from
+        model, info = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype, use_safetensors=True,
+                                                           output_loading_info=True, ignore_mismatched_sizes=True)
     except (OSError, ValueError, KeyError) as e:
         raise ConfigError(f"cannot load the HF model in {hf_dir!r}: {str(e).splitlines()[0]}") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bar:
+            hf_logging.enable_progress_bar()
+    # from_pretrained initializes the tensors the files lack (or hold in another shape) at random and
+    # drops those the model lacks: each is an error, as with model.init_from
+    problems = [f"tensor {k} of this model is not in the weights" for k in sorted(info.get('missing_keys') or ())]
+    problems += [f"tensor {k} of the weights is not in this model" for k in sorted(info.get('unexpected_keys') or ())]
+    problems += [f"tensor {k} is {list(saved)} in the weights, {list(wanted)} in this model"
+                 for k, saved, wanted in sorted(info.get('mismatched_keys') or ())]
+    if problems:
+        raise ConfigError(f"{hf_dir!r}: {problems[0]} ({len(problems)} such; config.json and the weights disagree)")
     state = get_model_state_dict(model)
     parent = os.path.dirname(checkpoint_dir)
     os.makedirs(parent, exist_ok=True)

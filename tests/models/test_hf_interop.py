@@ -93,6 +93,25 @@ def test_hf_to_dcp_loads_through_torchtitan_model_wrapper(hf_dir, tmp_path):
     _same_weights(model, fresh)
 
 
+@pytest.mark.parametrize('change', [{'num_hidden_layers': 3}, {'num_hidden_layers': 1}, {'intermediate_size': 96}])
+def test_hf_to_dcp_refuses_weights_that_do_not_match_the_config(hf_dir, tmp_path, capsys, change):
+    """from_pretrained initializes missing or mis-shaped tensors at random and drops extra ones: the
+    converter would write a checkpoint that is not the model's weights."""
+    import shutil
+    from flame.utils.convert_hf_to_dcp import main
+    src, _ = hf_dir
+    other = tmp_path / 'other'
+    shutil.copytree(src, other)
+    config = json.load(open(other / 'config.json'))
+    (other / 'config.json').write_text(json.dumps(dict(config, **change)))
+    capsys.readouterr()
+    assert main(['--model', str(other), '--checkpoint', str(tmp_path / 'step-0')]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith('flame: error:') and err.count('\n') == 1, err
+    assert 'config.json and the weights disagree' in err and 'model.layers.' in err, err
+    assert not (tmp_path / 'step-0').exists()
+
+
 def test_round_trip_hf_dcp_hf_is_identical_and_shards(hf_dir, tmp_path):
     from safetensors.torch import load_file
     from flame.utils.hf_export import export_hf, hf_to_dcp
@@ -146,6 +165,13 @@ def test_bad_input_one_line_error_and_no_output(training_dump, tmp_path, capsys)
     err = capsys.readouterr().err
     assert rc == 2 and err.startswith('flame: error:') and err.count('\n') == 1
     assert not out.exists() and not [p for p in os.listdir(tmp_path) if p.startswith('.bad')]
+    # a config with fewer layers than the checkpoint: its tensors are all there, the checkpoint has more
+    fewer = tmp_path / 'one_layer.json'
+    fewer.write_text(json.dumps(dict(json.load(open(os.path.join(DEBUG_DIR, 'llama.json'))), num_hidden_layers=1)))
+    rc = main(['--path', dump, '--step', '5', '--config', str(fewer), '--out', str(out)])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count('\n') == 1 and "this config lacks, e.g. 'model.layers.1." in err, err
+    assert not out.exists()
     # a step that does not exist
     assert main(['--path', dump, '--step', '7', '--out', str(out)]) == 2
     assert 'step-7' in capsys.readouterr().err

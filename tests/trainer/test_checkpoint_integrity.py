@@ -51,10 +51,10 @@ def default_checkpoint_config():
     return FlameConfigManager().parse_args(["--job.config_file", TOML, "--model.config", TINY_LLAMA]).checkpoint
 
 
-def manager(folder, out=8, **options):
+def manager(folder, out=8, bias=False, **options):
     """A manager saving every step (``options``: checkpoint config fields) of a one-layer model."""
     config = dataclasses.replace(default_checkpoint_config(), **{"interval": 1, **options})
-    model = nn.Linear(8, out, bias=False)
+    model = nn.Linear(8, out, bias=bias)
     with torch.no_grad():
         model.weight.zero_()
     mgr = FlameCheckpointManager(dataloader=Box(), model_parts=[model], optimizers=Box(), lr_schedulers=Box(),
@@ -260,6 +260,22 @@ def test_bad_load_options_are_one_line_errors(tmp_path, world1):
     mgr.close()
 
 
+def test_a_checkpoint_with_tensors_the_model_lacks_is_refused(tmp_path, world1):
+    """DCP loads only the keys asked for: a model with fewer tensors than the checkpoint (fewer layers,
+    no adapters) would silently drop the rest of the checkpoint's weights."""
+    mgr, model = manager(tmp_path, bias=True)
+    save_steps(mgr, model, [1])
+    mgr.close()
+    for options in ({}, {"initial_load_path": str(tmp_path / "checkpoint" / "step-1")}):
+        mgr, _ = manager(tmp_path if not options else tmp_path / "fresh", **options)
+        with pytest.raises(ConfigError, match=r"tensor bias of the checkpoint is not in this model"):
+            mgr.load(-1)
+        mgr.close()
+    mgr, model = manager(tmp_path, bias=True)  # the model it was saved from loads
+    assert mgr.load(-1) and model.weight.unique().item() == 1.0
+    mgr.close()
+
+
 def test_position_limit():
     from transformers import AutoConfig, GPT2Config, LlamaConfig
 
@@ -347,3 +363,17 @@ def test_a_checkpoint_with_wrapper_names_is_refused_naming_the_cause(tmp_path):
         with pytest.raises(ConfigError, match=cause) as e:
             FlameCheckpointManager._guarded(lambda: dcp.load({"layers.0.w": torch.zeros(2)}, checkpoint_id=path), path)
         assert "layers.0.w" in str(e.value)
+
+
+def test_another_optimizers_state_is_named_as_such(tmp_path):
+    """A checkpoint of AdamW resumed with Muon holds optimizer state, only not this optimizer's: the error
+    says so instead of calling it a model-only checkpoint."""
+    import torch.distributed.checkpoint as dcp
+
+    adamw, model_only = str(tmp_path / "adamw"), str(tmp_path / "model_only")
+    dcp.save({"w": torch.ones(2), "optimizer.state.w.exp_avg": torch.ones(2)}, checkpoint_id=adamw)
+    dcp.save({"w": torch.ones(2)}, checkpoint_id=model_only)
+    muon = {"w": torch.zeros(2), "optimizer.state.w.momentum_buffer": torch.zeros(2)}
+    for path, cause in ((adamw, "its optimizer state is another optimizer's"), (model_only, "it holds no optimizer")):
+        with pytest.raises(ConfigError, match=cause):
+            FlameCheckpointManager._guarded(lambda: dcp.load(dict(muon), checkpoint_id=path), path)

@@ -128,3 +128,34 @@ def test_the_schedule_follows_a_checkpoint_of_another_group_count():
     sched.load_state_dict({**sched.state_dict(), "base_lrs": [0.1, 0.2, 0.1]})
     with pytest.raises(ConfigError, match="3 parameter groups with different learning rates and this run has 2"):
         lr_at_loaded_step(types.SimpleNamespace(schedulers=[sched]))
+
+
+def test_a_resume_runs_with_this_runs_optimizer_settings():
+    """The checkpoint's optimizer state holds the saving run's group settings (lr, weight decay,
+    betas, Adam's decoupled_weight_decay) and its schedule the old peak lr: a resume with other
+    --optimizer.* values runs with them instead of silently keeping the saved ones."""
+    import types
+
+    import torch
+
+    from flame.components.optimizer import group_settings, lr_at_loaded_step
+
+    def build(cls, lr, weight_decay):
+        p = torch.nn.Parameter(torch.zeros(2))
+        opt = cls([{"params": [p]}], lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95))
+        return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (step + 1))
+
+    saved_opt, saved_sched = build(torch.optim.AdamW, 3e-3, 0.01)
+    for _ in range(3):
+        saved_sched.step()
+    opt, sched = build(torch.optim.Adam, 1e-3, 0.5)
+    schedulers = types.SimpleNamespace(schedulers=[sched])
+    settings = group_settings(schedulers)
+    opt.load_state_dict(saved_opt.state_dict())
+    sched.load_state_dict(saved_sched.state_dict())
+    lr_at_loaded_step(schedulers, settings)
+    group = opt.param_groups[0]
+    assert group["lr"] == pytest.approx(1e-3 / 4) and group["weight_decay"] == 0.5
+    assert group["decoupled_weight_decay"] is False  # Adam, as asked, not the saved AdamW
+    sched.step()
+    assert group["lr"] == pytest.approx(1e-3 / 5)
