@@ -669,19 +669,20 @@ def latest_results(paths: list[str]) -> dict[str, tuple[dict, dict, str]]:
     return latest
 
 
+def passed(row: Row, latest: dict[str, tuple[dict, dict, str]]) -> bool:
+    """A pass: the row's latest result exited 0 and, for a row with a target ratio, met it (the
+    ratio is taken in that result's file)."""
+    result, doc, _ = latest.get(row.name, ({}, {}, ""))
+    if result.get("exit") != 0:
+        return False
+    return row.target_ratio is None or any(x["row"] == row.name and x.get("met") for x in doc.get("ratios", []))
+
+
 def still_to_pass(rows: list[Row], paths: list[str], every_row: list[Row]) -> list[Row]:
-    """Those of `rows` whose latest result in `paths` is not a pass (a row with a target ratio:
-    also one whose ratio in that result's file missed it or was not taken), in their order, after
-    the reference rows they need from `every_row` (a ratio compares rows of one call)."""
+    """Those of `rows` whose latest result in `paths` is not a pass (`passed`), in their order,
+    after the reference rows they need from `every_row` (a ratio compares rows of one call)."""
     latest = latest_results(paths)
-
-    def passed(row: Row) -> bool:
-        result, doc, _ = latest.get(row.name, ({}, {}, ""))
-        if result.get("exit") != 0:
-            return False
-        return row.target_ratio is None or any(x["row"] == row.name and x.get("met") for x in doc.get("ratios", []))
-
-    todo = [r for r in rows if not passed(r)]
+    todo = [r for r in rows if not passed(r, latest)]
     refs = {r.reference for r in todo if r.reference} - {r.name for r in todo}
     return [r for r in every_row if r.name in refs] + todo
 
@@ -696,8 +697,9 @@ def longest_first(rows: list[Row], paths: list[str]) -> list[Row]:
 
 def status(paths: list[str], rows: list[Row]) -> str:
     """Every row's latest result over the result files `paths` (by their dates; a row not run in
-    a later file keeps its earlier result), with the file and commit it came from; rows no file
-    ran are listed as such; probe rows (measurements of a setting) are left out. Markdown."""
+    a later file keeps its earlier result), with the file and commit it came from; a pass as
+    `passed` says (a row under its speed target is a fail); rows no file ran are listed as such;
+    probe rows (measurements of a setting) are left out. Markdown."""
     rows = [r for r in rows if r.group != "probe"]
     latest = latest_results(paths)
     lines = ["| row | group | exit | tokens/s | peak reserved GiB | loss first -> last | device | commit | file |",
@@ -709,11 +711,12 @@ def status(paths: list[str], rows: list[Row]) -> str:
             lines.append(f"| {row.name} | {row.group} | never run | | | | | | |")
             continue
         r, doc, name = latest[row.name]
-        counts["pass" if r["exit"] == 0 else "fail"] += 1
+        counts["pass" if passed(row, latest) else "fail"] += 1
         loss = "-" if r.get("loss_first") is None else f"{r['loss_first']:.2f} -> {r['loss_last']:.2f}"
         tps = "-" if r.get("tokens_per_second") is None else f"{r['tokens_per_second']:,}"
         mem = "-" if r.get("peak_reserved_gib") is None else f"{r['peak_reserved_gib']:.1f}"
-        lines.append(f"| {row.name} | {row.group} | {r['exit']} | {tps} | {mem} | {loss} | {doc['device']['name']} | "
+        exit_cell = r["exit"] if r["exit"] != 0 or passed(row, latest) else f"0, under its {row.target_ratio}x target"
+        lines.append(f"| {row.name} | {row.group} | {exit_cell} | {tps} | {mem} | {loss} | {doc['device']['name']} | "
                      f"{doc['commit'][:7]} | {name} |")
     return "\n".join([", ".join(f"{v} {k}" for k, v in counts.items()) + f" of {len(rows)} rows", ""] + lines)
 

@@ -136,6 +136,16 @@ def test_status_takes_each_rows_latest_run_over_result_files(tmp_path):
     assert "| 1 |" in lines["flame_readme"] and "bbbbbbb" in lines["flame_readme"]
     assert "| 50 |" in lines["paper_sdpa"] and "early.json" in lines["paper_sdpa"]
     assert "never run" in lines["paper_vanilla"]
+    # a row with a speed target passes only where its latest file's ratio met it
+    target = ROWS["paper_softpick"]
+    for met, counted in ((True, "1 pass, 0 fail"), (False, "0 pass, 1 fail")):
+        d = doc("2026-01-03", "ccccccc", [row("paper_softpick", 0, 90), row("paper_sdpa", 0, 100)])
+        d["ratios"] = [{"row": "paper_softpick", "reference": "paper_sdpa", "ratio": 0.9, "target_ratio": 0.9, "met": met}]
+        with open(tmp_path / "target.json", "w") as f:
+            json.dump(d, f)
+        text = acceptance.status([str(tmp_path / "target.json")], [target])
+        assert text.splitlines()[0].startswith(counted), text
+        assert ("under its 0.9x target" in text) is not met
 
 
 def test_a_row_cut_by_the_calls_budget_is_not_run_and_one_at_its_own_cap_timed_out():
