@@ -41,6 +41,14 @@ def _fmt_eta(seconds: float) -> str:
     return f"{h}:{m:02d}:{s:02d}"
 
 
+def _record_step(line: str) -> int:
+    """A metrics.jsonl line's step (a torn last line from a killed run counts as after every step)."""
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return 2**62
+
+
 @dataclass
 class MetricsLogger:
     """Accumulates per-step counters between log steps and writes one record per log step."""
@@ -85,11 +93,28 @@ class MetricsLogger:
         )
 
     def reset_clock(self, step: int) -> None:
+        """Time this launch from `step` (where it starts or resumed); metrics.jsonl keeps only the
+        records up to it, so a relaunch from an earlier checkpoint does not list steps twice."""
+        self._drop_records_after(step)
         self.launch_tokens = 0
         self.last_time = time.perf_counter()
         self.last_step = step
         self.run_start = self.last_time
         self.start_step = step
+
+    def _drop_records_after(self, step: int) -> None:
+        if not self.jsonl or not os.path.isfile(self.jsonl):
+            return
+        with open(self.jsonl) as f:
+            lines = f.readlines()
+        kept = [line for line in lines if _record_step(line) <= step]
+        if len(kept) == len(lines):
+            return
+        with open(self.jsonl + ".tmp", "w") as f:
+            f.writelines(kept)
+        os.replace(self.jsonl + ".tmp", self.jsonl)
+        logger.info("metrics.jsonl: %d records of steps after %d (a later run's, replaced by this one) removed",
+                    len(lines) - len(kept), step)
 
     def start_allocated_peak(self) -> None:
         """Begin a window for allocated_peak (the caller resets the allocator's counter itself)."""
