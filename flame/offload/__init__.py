@@ -65,6 +65,12 @@ def build_plan(model, job_config, device, world: int = 1, threads_from_profile: 
         plan = Plan.load(off.plan)
         plan.check_shape(off.plan, accum * local, seq)
         plan.check_options(off.plan, off)
+        from flame.models.blocks import find_blocks
+        from flame.models.build import build_meta_model
+
+        # the calculator passes the config alone
+        plan.check_blocks(off.plan, len(find_blocks(model if isinstance(model, torch.nn.Module)
+                                                    else build_meta_model(model.config))[1]))
         return plan, None, None
     candidates = micro_batch_candidates(local, seq, off.micro_batch_tokens, bool(_get(job_config, "training.varlen", False)))
     cdt = getattr(torch, off.compute_dtype)

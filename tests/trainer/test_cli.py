@@ -288,3 +288,24 @@ def test_a_model_module_in_the_working_directory_reaches_the_workers(tmp_path):
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "0" in marks.read_text().split()  # imported by rank 0
+
+
+def test_plan_replayed_for_another_block_count_is_an_error(tmp_path, capsys):
+    """The calculator replayed a plan made for another number of blocks and exited 0; the trainer's
+    engine refused it after building the model. Both now name the counts, before any build."""
+    import json
+
+    from flame.offload import calculator as plan
+
+    profile = os.path.join(ROOT, "flame/offload/profiles/h100_80gb_measured.json")
+    common = ["--training.batch_size", "2", "--training.seq_len", "64", "--offload.enable", "on",
+              "--offload.profile", profile, "--offload.host_memory_gib", "8"]
+    saved = str(tmp_path / "plan.json")
+    assert plan.main(["--model.config", TINY_LLAMA, *common, "--offload.save_plan", saved]) == 0
+    fewer = tmp_path / "one_layer.json"
+    fewer.write_text(json.dumps(dict(json.load(open(TINY_LLAMA)), num_hidden_layers=1)))
+    capsys.readouterr()
+    assert plan.main(["--model.config", str(fewer), *common, "--offload.plan", saved]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "made for 2 blocks, the model has 1" in err[0], err
+    assert plan.main(["--model.config", TINY_LLAMA, *common, "--offload.plan", saved]) == 0

@@ -85,6 +85,11 @@ class Plan:
                               f"step (micro-batch x rounds), the run has {step_sequences} (training.batch_size "
                               "x gradient_accumulation_steps)")
 
+    def check_blocks(self, path: str, blocks: int) -> None:
+        """A replayed plan places one mode per block: it must be for the model's number of blocks."""
+        if len(self.layer_modes) != blocks:
+            raise ConfigError(f"offload.plan={path!r}: made for {len(self.layer_modes)} blocks, the model has {blocks}")
+
     def check_options(self, path: str, off) -> None:
         """A replayed plan runs with the dtypes and the CPU step it was made for: an `offload`
         option asking for others would be ignored, so it is an error naming both."""
