@@ -136,19 +136,41 @@ def write_html(runs: dict[str, dict], out: str) -> None:
         f.write(page)
 
 
+def check_out(out: str) -> None:
+    """``--out`` names a file in an existing folder, of a type this command writes."""
+    folder = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(folder):
+        raise ConfigError(f"--out {out!r}: folder {folder!r} does not exist")
+    ext = os.path.splitext(out)[1].lower()
+    if ext == ".html":
+        return
+    if not ext:  # matplotlib would add ".png" itself and write another file than the one named
+        raise ConfigError(f"--out {out!r}: no file type; end it in .png or .html")
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        return  # an HTML page instead (plot says so)
+    if ext[1:] not in FigureCanvasBase.get_supported_filetypes():
+        raise ConfigError(f"--out {out!r}: matplotlib cannot write {ext} files; end it in .png or .html")
+
+
 def plot(dumps: list[str], out: str) -> str:
     """Write the picture of ``dumps``; returns the file written (``.html`` when matplotlib is missing)."""
+    check_out(out)
     runs = {label: read_run(d) for label, d in zip(run_labels(dumps), dumps)}
-    if not out.endswith(".html"):
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            out = os.path.splitext(out)[0] + ".html"
-            print(f"matplotlib is not installed (pip install -e \".[plot]\" for a PNG): writing {out}")
-        else:
-            write_png(runs, out)
-            return out
-    write_html(runs, out)
+    try:
+        if not out.endswith(".html"):
+            try:
+                import matplotlib  # noqa: F401
+            except ImportError:
+                out = os.path.splitext(out)[0] + ".html"
+                print(f"matplotlib is not installed (pip install -e \".[plot]\" for a PNG): writing {out}")
+            else:
+                write_png(runs, out)
+                return out
+        write_html(runs, out)
+    except OSError as e:
+        raise ConfigError(f"--out {out!r}: {e.strerror or e}") from None
     return out
 
 

@@ -438,7 +438,7 @@ class Trainer(Stateful):
         if getattr(self, "probe_ids", None) is None:
             from flame.data import build_dataloader
 
-            loader = self.val_loader or build_dataloader(
+            loader = self.val_loader if self.val_loader is not None else build_dataloader(
                 self.cfg, self.tokenizer, self.dp_rank, self.dp_degree, split="validation"
             )
             self.probe_ids = next(iter(loader))["input_ids"][:1].to(self.device)

@@ -40,14 +40,31 @@ def run_probes(model: torch.nn.Module, input_ids: torch.Tensor, sink_threshold: 
     """Probe values keyed ``probes/<metric>/layer_<i>`` plus model-wide means."""
     was_training = model.training
     model.eval()
+    # HF models' last hidden state is the final norm's output; the last block's own output (the
+    # residual stream, where massive activations live) is taken from the block itself
+    last_block: list[torch.Tensor] = []
     try:
-        out = model(input_ids=input_ids, output_hidden_states=True, output_attentions=True, use_cache=False)
-    except (TypeError, ValueError):  # models without attention weights
-        out = model(input_ids=input_ids, output_hidden_states=True, use_cache=False)
+        from flame.models.blocks import find_block_list
+
+        _, _, blocks = find_block_list(model)
+        handle = blocks[-1].register_forward_hook(
+            lambda _m, _i, o: last_block.append(o[0] if isinstance(o, (tuple, list)) else o))
+    except ValueError:  # no block list found: the hidden states as the model returns them
+        handle = None
+    try:
+        try:
+            out = model(input_ids=input_ids, output_hidden_states=True, output_attentions=True, use_cache=False)
+        except (TypeError, ValueError):  # models without attention weights
+            last_block.clear()
+            out = model(input_ids=input_ids, output_hidden_states=True, use_cache=False)
     finally:
         model.train(was_training)
+        if handle is not None:
+            handle.remove()
     values: dict[str, float] = {}
-    hidden = out.hidden_states[1:] if out.hidden_states is not None else ()
+    hidden = tuple(out.hidden_states[1:]) if out.hidden_states is not None else ()
+    if hidden and last_block and torch.is_tensor(last_block[-1]) and last_block[-1].shape == hidden[-1].shape:
+        hidden = hidden[:-1] + (last_block[-1],)
     for i, h in enumerate(hidden):
         values[f"probes/max_abs_hidden/layer_{i}"] = float(h.detach().abs().max())
         values[f"probes/kurtosis/layer_{i}"] = kurtosis(h.detach())

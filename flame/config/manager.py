@@ -468,10 +468,10 @@ def validate(cfg) -> None:
     if t.persistent_workers and t.num_workers == 0:
         raise ConfigError("training.persistent_workers needs loader workers: set training.num_workers > 0")
     v = cfg.validation
-    for name in ("local_batch_size", "seq_len"):  # None: the training value
+    for name, least in (("local_batch_size", 1), ("seq_len", 2)):  # None: the training value
         value = getattr(v, name)
-        if value is not None and value < 1:
-            raise ConfigError(f"validation.{name} {value}: must be >= 1 (unset: the training value)")
+        if value is not None and value < least:
+            raise ConfigError(f"validation.{name} {value}: must be >= {least} (unset: the training value)")
     if v.enable and v.freq < 1:
         raise ConfigError(f"validation.freq {v.freq}: must be >= 1")
     if not 0.0 <= cfg.lr_scheduler.min_lr_factor <= 1.0:
@@ -503,6 +503,11 @@ def validate(cfg) -> None:
         raise ConfigError(f"checkpoint.interval {cfg.checkpoint.interval}: must be >= 1")
     if cfg.metrics.log_freq < 1:
         raise ConfigError(f"metrics.log_freq {cfg.metrics.log_freq}: must be >= 1")
+    if cfg.probes.interval < 0:
+        raise ConfigError(f"probes.interval {cfg.probes.interval}: must be >= 0 (0: no probes)")
+    if not 0.0 <= cfg.probes.sink_threshold < 1.0:
+        raise ConfigError(f"probes.sink_threshold {cfg.probes.sink_threshold}: must be in [0, 1) "
+                          "(a head's mean attention weight on the first token)")
     prof = cfg.profiling
     if prof.enable_profiling and (prof.profiler_warmup < 0 or prof.profiler_active < 1
                                   or prof.profile_freq < prof.profiler_warmup + prof.profiler_active):

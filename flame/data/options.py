@@ -207,10 +207,12 @@ def options_from_job_config(job_config: Any, split: str = "train") -> DataOption
         pin_memory=bool(_get(t, "pin_memory", False)),
         persistent_workers=bool(_get(t, "persistent_workers", False)),
     )
-    # Held-out validation documents come out of the training sources only when validation runs on
-    # the training sources (no validation.dataset) and holdout is on.
+    # Held-out validation documents come out of the training sources only when validation (or the
+    # research probes, which read the first validation batch) runs on the training sources (no
+    # validation.dataset) and holdout is on.
     val_dataset = _get(v, "dataset_path") or _get(v, "dataset")
-    holdout = float(_get(v, "holdout_fraction", 0.0) or 0.0) if _get(v, "enable", False) and not val_dataset else 0.0
+    reads_held_out = _get(v, "enable", False) or (_get(_get(job_config, "probes"), "interval", 0) or 0) > 0
+    holdout = float(_get(v, "holdout_fraction", 0.0) or 0.0) if reads_held_out and not val_dataset else 0.0
     if split == "train":
         sources = parse_sources(
             _get(t, "dataset"),

@@ -24,9 +24,30 @@ import torch.distributed as dist
 from flame.data.packing import IGNORE_INDEX
 
 
+def source_keys(names: Sequence[str]) -> list[str]:
+    """Metric names of sources: the last part of each path, with as many parent folders as it takes
+    to tell sources apart (``a/val.jsonl``, ``b/val.jsonl``); a source listed twice gets ``#2``, ..."""
+    parts = [[p for p in str(n).split("/") if p] or [str(n)] for n in names]
+    depth = [1] * len(parts)
+    while True:
+        keys = ["/".join(p[-d:]) for p, d in zip(parts, depth)]
+        clashing = [i for i, k in enumerate(keys) if keys.count(k) > 1 and depth[i] < len(parts[i])]
+        if not clashing:
+            break
+        for i in clashing:
+            depth[i] += 1
+    seen: dict[str, int] = {}
+    for i, k in enumerate(keys):
+        seen[k] = seen.get(k, 0) + 1
+        if seen[k] > 1:
+            keys[i] = f"{k}#{seen[k]}"
+    return keys
+
+
 class SourceLossMeter:
     def __init__(self, source_names: Sequence[str]):
         self.names = [str(n) for n in source_names]
+        self.keys = source_keys(self.names)
         self.sums = torch.zeros(len(self.names), dtype=torch.float64)
         self.counts = torch.zeros(len(self.names), dtype=torch.float64)
 
@@ -47,9 +68,8 @@ class SourceLossMeter:
             dist.all_reduce(both)
             sums, counts = both.cpu()[0], both.cpu()[1]
         out: dict[str, float] = {}
-        for name, s, c in zip(self.names, sums.tolist(), counts.tolist()):
+        for key, s, c in zip(self.keys, sums.tolist(), counts.tolist()):
             if c > 0:
-                key = name.rstrip("/").split("/")[-1] or name
                 out[f"{prefix}/{key}/loss"] = s / c
                 out[f"{prefix}/{key}/ppl"] = math.exp(min(s / c, 50.0))
         total_c = float(counts.sum())

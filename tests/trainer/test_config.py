@@ -92,7 +92,7 @@ def test_defaults_keep_final_checkpoint_resumable():
         (["--validation.enable", "--validation.steps", "0"], "--validation.steps 0: validation steps must be positive"),
         (["--validation.enable", "--validation.steps", "-2"], "--validation.steps -2: validation steps must be positive"),
         (["--validation.local_batch_size", "0"], "validation.local_batch_size 0: must be >= 1"),
-        (["--validation.seq_len", "0"], "validation.seq_len 0: must be >= 1"),
+        (["--validation.seq_len", "0"], "validation.seq_len 0: must be >= 2"),
         (["--training.num_workers", "0", "--training.persistent_workers"], "training.persistent_workers needs"),
         (["--training.streaming", "--training.shuffle_buffer_size", "0"], "training.shuffle_buffer_size 0: must be >= 1"),
     ],

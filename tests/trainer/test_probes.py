@@ -53,13 +53,18 @@ def test_run_probes_on_flame_transformer(impl, sparse):
     ids = torch.randint(0, cfg.vocab_size, (1, 24), generator=torch.Generator().manual_seed(1))
     values = run_probes(model, ids)
     layers = cfg.num_hidden_layers
+    final_norm_input = []
+    handle = model.model.norm.register_forward_hook(lambda m, i, o: final_norm_input.append(i[0]))
     with torch.no_grad():
         out = model.eval()(input_ids=ids, output_hidden_states=True, output_attentions=True, use_cache=False)
+    handle.remove()
     assert len(out.hidden_states) == layers + 1 and len(out.attentions) == layers
+    # the model's last hidden state is the final norm's output; the last block's own is its input
+    block_outputs = list(out.hidden_states[1:-1]) + final_norm_input
     causal = torch.ones(24, 24, dtype=torch.bool).tril()
     sinks, zeros = [], []
     for i in range(layers):
-        h = out.hidden_states[i + 1].double().flatten().numpy()
+        h = block_outputs[i].double().flatten().numpy()
         c = h - h.mean()
         assert values[f"probes/kurtosis/layer_{i}"] == pytest.approx((c ** 4).mean() / (c ** 2).mean() ** 2, rel=1e-9)
         assert values[f"probes/max_abs_hidden/layer_{i}"] == pytest.approx(abs(h).max(), rel=1e-6)
