@@ -146,12 +146,6 @@ class Trainer(Stateful):
         t = cfg.training
         _check_dump_folder(cfg.job.dump_folder)
         self.device = local_device()
-        if cfg.profiling.enable_memory_snapshot and cfg.offload.enable == "on" and t.compile:
-            # torch 2.11's recorder failed inside the engine's recomputed compiled blocks: a SystemError
-            # from autograd in the first backward (no Python exception set)
-            raise ConfigError("profiling.enable_memory_snapshot with offload.enable on and training.compile: "
-                              "torch's memory recorder crashed in the offload engine's recomputed compiled "
-                              "blocks (torch 2.11); snapshot the run without training.compile")
         if cfg.profiling.enable_memory_snapshot and self.device.type != "cuda":
             raise ConfigError(f"profiling.enable_memory_snapshot: snapshots record CUDA allocations; this run is on "
                               f"{self.device.type}")

@@ -202,29 +202,31 @@ def mismatch_message(exc: BaseException) -> str | None:
     return None
 
 
-def holds_optimizer_state(checkpoint_id: str) -> bool:
-    """The DCP checkpoint has optimizer state (of whichever optimizer saved it)."""
+def saved_keys(checkpoint_id: str) -> dict:
+    """The DCP checkpoint's keys (with their metadata), read from its ``.metadata``."""
     from torch.distributed.checkpoint import FileSystemReader
 
+    return FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata
+
+
+def _saved_keys_or_none(checkpoint_id: str) -> dict:
     try:
-        keys = FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata
+        return saved_keys(checkpoint_id)
     except Exception:  # an unreadable checkpoint: the error at hand says more
-        return False
-    return any(key.startswith("optimizer.state.") for key in keys)
+        return {}
+
+
+def holds_optimizer_state(checkpoint_id: str) -> bool:
+    """The DCP checkpoint has optimizer state (of whichever optimizer saved it)."""
+    return any(key.startswith("optimizer.state.") for key in _saved_keys_or_none(checkpoint_id))
 
 
 def names_with_wrapper_parts(checkpoint_id: str) -> bool:
     """The DCP checkpoint's tensor names hold wrapper parts (``_orig_mod``, ...), as the offload
     engine's did before it saved plain names."""
-    from torch.distributed.checkpoint import FileSystemReader
-
     from flame.models.blocks import WRAPPER_PARTS
 
-    try:
-        keys = FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata
-    except Exception:  # an unreadable checkpoint: the error at hand says more
-        return False
-    return any(part in WRAPPER_PARTS for key in keys for part in key.split("."))
+    return any(part in WRAPPER_PARTS for key in _saved_keys_or_none(checkpoint_id) for part in key.split("."))
 
 
 # -- the manager ----------------------------------------------------------------------------
@@ -431,14 +433,13 @@ class FlameCheckpointManager(CheckpointManager):
         return super()._states_to_load(model_only)
 
     def dcp_load(self, state_dict, checkpoint_id, from_hf, from_quantized):
+        saved = None  # the checkpoint's keys, read once: before DCP's load only where needed there
         if getattr(self, "_model_only_load", False) and not from_hf:
             # a model-only checkpoint without LoRA adapters (a base converted with convert_hf_to_dcp,
             # or a pretraining run's): a LoRA run starts its adapters from their init
-            from torch.distributed.checkpoint import FileSystemReader
-
             from flame.lora import is_adapter_key
 
-            saved = FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata
+            saved = saved_keys(checkpoint_id)
             fresh = [k for k in state_dict if is_adapter_key(k) and k not in saved]
             if fresh:
                 self._warn(f"checkpoint: {checkpoint_id} holds no LoRA adapters; {len(fresh)} adapter tensors "
@@ -449,9 +450,7 @@ class FlameCheckpointManager(CheckpointManager):
         if not from_hf:
             # DCP loads the keys asked for and ignores the rest: a model with fewer tensors than the
             # checkpoint (fewer layers, no LoRA adapters) would drop some of its weights silently
-            from torch.distributed.checkpoint import FileSystemReader
-
-            saved = FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata
+            saved = saved if saved is not None else saved_keys(checkpoint_id)
             extra = [k for k in saved_model_keys(saved) if k not in asked]
             if extra:
                 raise ConfigError(f"checkpoint {checkpoint_id} does not fit this run: tensor {extra[0]} of the "

@@ -517,6 +517,12 @@ def validate(cfg) -> None:
     if prof.enable_memory_snapshot and prof.profile_freq < 1:
         raise ConfigError(f"profiling.profile_freq {prof.profile_freq}: memory snapshots are written every "
                           "profile_freq steps; must be >= 1")
+    if prof.enable_memory_snapshot and cfg.offload.enable == "on" and t.compile:
+        # torch 2.11's recorder failed inside the engine's recomputed compiled blocks: a SystemError
+        # from autograd in the first backward (no Python exception set)
+        raise ConfigError("profiling.enable_memory_snapshot with offload.enable on and training.compile: "
+                          "torch's memory recorder crashed in the offload engine's recomputed compiled "
+                          "blocks (torch 2.11); snapshot the run without training.compile")
     validate_lora(cfg)
 
 

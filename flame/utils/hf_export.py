@@ -99,13 +99,13 @@ def _meta_model(config):
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
-def model_keys(config) -> dict[str, tuple[torch.Size, torch.dtype]]:
-    """Keys to export -> (shape, dtype), from a meta-device build.
+def model_keys(config, model=None) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """Keys to export -> (shape, dtype), from a meta-device build (`model`, when the caller has one).
 
     Parameters shared by several names (tied embeddings) are listed once, under the name HF keeps
     (the first registered: the input embedding), as ``save_pretrained`` does.
     """
-    model = _meta_model(config)
+    model = model if model is not None else _meta_model(config)
     keys = {}
     sd_keys = set(model.state_dict().keys())
     for name, p in model.named_parameters():  # remove_duplicate=True drops tied aliases
@@ -300,7 +300,8 @@ def export_hf(model_state_dict_or_checkpoint_dir: dict[str, torch.Tensor] | str,
     out_dir = os.path.abspath(out_dir)
     if os.path.exists(out_dir) and os.listdir(out_dir) and not overwrite:
         raise ConfigError(f"output folder {out_dir!r} exists and is not empty (--overwrite replaces it)")
-    keys = model_keys(config)
+    meta_model = _meta_model(config)
+    keys = model_keys(config, meta_model)
     plan = plan_export(config)
 
     from flame.lora.export import adapted_weights, adapter_keys, merge_weight
@@ -314,7 +315,7 @@ def export_hf(model_state_dict_or_checkpoint_dir: dict[str, torch.Tensor] | str,
         metadata = _dcp_metadata(ckpt)
         _check_against_metadata(keys, metadata, ckpt)
         from flame.components.checkpoint import saved_model_keys
-        names = set(_meta_model(config).state_dict())  # tied aliases too: the checkpoint holds them
+        names = set(meta_model.state_dict())  # tied aliases too: the checkpoint holds them
         extra = [k for k in saved_model_keys(metadata) if k not in names and not is_adapter_key(k)]
         if extra:
             raise ConfigError(f"checkpoint {ckpt!r} holds {len(extra)} model key(s) this config lacks, "
