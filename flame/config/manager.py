@@ -10,6 +10,7 @@ lists, alias folding, and a ``--help`` of flame's options (``flame.config.help``
 import contextlib
 import difflib
 import glob
+import importlib.util
 import io
 import os
 import re
@@ -503,6 +504,10 @@ def validate(cfg) -> None:
         raise ConfigError(f"checkpoint.interval {cfg.checkpoint.interval}: must be >= 1")
     if cfg.metrics.log_freq < 1:
         raise ConfigError(f"metrics.log_freq {cfg.metrics.log_freq}: must be >= 1")
+    for option, package in (("enable_wandb", "wandb"), ("enable_tensorboard", "tensorboard")):
+        # torchtitan logs a missing backend's ImportError and trains on without it
+        if getattr(cfg.metrics, option) and importlib.util.find_spec(package) is None:
+            raise ConfigError(f"metrics.{option}: the {package} package is not installed (pip install {package})")
     if cfg.probes.interval < 0:
         raise ConfigError(f"probes.interval {cfg.probes.interval}: must be >= 0 (0: no probes)")
     if not 0.0 <= cfg.probes.sink_threshold < 1.0:

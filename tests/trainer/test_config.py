@@ -137,6 +137,17 @@ def test_bad_values_each_name_themselves(tmp_path):
                                              *extra])
 
 
+def test_logging_backend_without_its_package_is_refused(tmp_path, monkeypatch):
+    """torchtitan would log the ImportError and train on without the backend."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"metrics.enable_wandb: the wandb package is not installed \(pip install wandb\)"):
+        FlameConfigManager().parse_args(["--model.config", CONFIG, "--job.dump_folder", str(tmp_path / "run"),
+                                         "--metrics.enable_wandb"])
+
+
 def test_cli_canonical_key_beats_toml_alias():
     # fla.toml sets training.tensor_parallel_degree = 1, training.data_parallel_shard_degree = -1,
     # checkpoint.enable_checkpoint = true and lr_scheduler.lr_min = 0.1 (flame's spellings)
