@@ -136,6 +136,11 @@ COMPILED_VARIANTS = (
      ("--offload.checkpoint_offload", "--offload.speculative_step", *NOCLIP)),
     ("_speculative_noclip", "the same without clipping (--training.max_norm 0): the speed of steps that do not clip, "
      "which keep their speculative update", ("--offload.speculative_step", *NOCLIP)),
+    # nothing can redo a step: the speculative update goes into the state, no spare master and moments
+    ("_checkpoint_offload_speculative_noclip_noskip", "the same with --offload.checkpoint_offload and "
+     "--offload.speculative_step, without clipping or NaN skipping (--training.max_norm 0 "
+     "--training.no-skip_nan_inf): in place, no spare state",
+     ("--offload.checkpoint_offload", "--offload.speculative_step", *NOCLIP, "--training.no-skip_nan_inf")),
     # fewer CPU AdamW threads than the default (cores - 1): whether the speculative step's AdamW
     # slows beside the backward for want of cores or of host memory bandwidth
     *((f"_checkpoint_offload_speculative_noclip_t{n}", f"the same with --offload.checkpoint_offload and "

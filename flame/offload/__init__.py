@@ -41,6 +41,13 @@ def _get(obj, path, default):
     return obj
 
 
+def speculative_redo(job_config) -> bool:
+    """Whether a speculative CPU step may have to be redone (the plan's `speculative_redo`): the run
+    clips by the grad norm or skips non-finite steps. Without either every speculative update is
+    the step's (a non-finite norm stops the run before anything is saved)."""
+    return float(_get(job_config, "training.max_norm", 1.0) or 0.0) > 0 or bool(_get(job_config, "training.skip_nan_inf", False))
+
+
 def build_plan(model, job_config, device, world: int = 1, threads_from_profile: bool = False):
     """(plan, costs, profile) for `model` under job_config.offload, measuring what is missing.
     `threads_from_profile`: planning for the profile's machine (the calculator, on a machine
@@ -61,10 +68,11 @@ def build_plan(model, job_config, device, world: int = 1, threads_from_profile: 
     local = int(_get(job_config, "training.local_batch_size", 1))
     seq = int(_get(job_config, "training.seq_len", 2048))
     accum = int(_get(job_config, "training.gradient_accumulation_steps", 1) or 1)
+    redo = speculative_redo(job_config)
     if off.plan != "auto":
         plan = Plan.load(off.plan)
         plan.check_shape(off.plan, accum * local, seq)
-        plan.check_options(off.plan, off)
+        plan.check_options(off.plan, off, redo)
         from flame.models.blocks import find_blocks
         from flame.models.build import build_meta_model
 
@@ -148,7 +156,7 @@ def build_plan(model, job_config, device, world: int = 1, threads_from_profile: 
                                       allow_offload=off.enable != "off", world=world, node_ranks=node_ranks,
                                       offload_activations=off.activation_offload,
                                       selective_recompute=off.selective_recompute,
-                                      speculative_step=off.speculative_step,
+                                      speculative_step=off.speculative_step, speculative_redo=redo,
                                       checkpoint_offload=off.checkpoint_offload)
     if off.calibrate:
         from flame.offload.planner.refit import calibrated_plan_for

@@ -87,8 +87,10 @@ class Offload:
     """Start each host block's CPU AdamW as soon as its gradients reach the host, during the rest of
     the backward, instead of after the step's gradient norm; it is kept when the step turns out
     unclipped at that learning rate, and redone (or undone, for a skipped step) otherwise, so the
-    result equals the usual step's bit for bit. Costs a spare set of master weights and moments in
-    host memory (the planner counts it) and a redo on every clipped step."""
+    result equals the usual step's bit for bit. With clipping (training.max_norm > 0) or
+    training.skip_nan_inf it costs a spare set of master weights and moments in host memory (the
+    planner counts it) and a redo on every clipped step; without either, the update goes into the
+    state itself (no step can need a redo)."""
 
     prefetch_depth: int = 0
     """Blocks whose weights are in flight ahead of the block computing. 0 = chosen by the planner."""

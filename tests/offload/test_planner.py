@@ -313,7 +313,10 @@ def test_a_host_too_small_for_the_speculative_spare_names_the_option_that_fits(c
     msg = str(e.value)
     without = f"without --offload.speculative_step (its spare master and moments) it plans {plain_need / GiB:.1f} GiB"
     assert without in msg
-    assert msg.index(without) < msg.index("with bf16 optimizer state")
+    in_place = (f"with --training.max_norm 0 --training.no-skip_nan_inf (no step to redo: the speculative step "
+                f"needs no spare) it plans {plain_need / GiB:.1f} GiB")
+    assert in_place in msg
+    assert msg.index(without) < msg.index(in_place) < msg.index("with bf16 optimizer state")
 
 def test_plan_file_and_profile_roundtrip(costs, tmp_path):
     plan = solve(costs, prof(), Dtypes(), 3 * GiB, 64 * GiB, 2, 1, 15)
@@ -339,11 +342,16 @@ def test_a_replayed_plan_must_be_for_the_run_s_shape(costs):
         plan.check_shape("p.json", 2, 7)
     with pytest.raises(ConfigError, match=r"made for 2 x 1 sequences a step .* the run has 4 "):
         plan.check_shape("p.json", 4, plan.seq_len)
-    plan.check_options("p.json", Offload())
+    plan.check_options("p.json", Offload(), redo=True)
+    plan.check_options("p.json", Offload(), redo=False)  # no speculative step: redo does not matter
     with pytest.raises(ConfigError, match="made for offload.master_dtype float32, the run has bfloat16"):
-        plan.check_options("p.json", Offload(master_dtype="bfloat16", moment_dtype="bfloat16"))
+        plan.check_options("p.json", Offload(master_dtype="bfloat16", moment_dtype="bfloat16"), redo=True)
     with pytest.raises(ConfigError, match="made without offload.speculative_step, the run has it on"):
-        plan.check_options("p.json", Offload(speculative_step=True))
+        plan.check_options("p.json", Offload(speculative_step=True), redo=True)
+    spec = solve(costs, prof(), Dtypes(), 3 * GiB, 64 * GiB, 2, 1, 15, speculative_step=True)
+    spec.check_options("p.json", Offload(speculative_step=True), redo=True)
+    with pytest.raises(ConfigError, match="made for a run that may redo a speculative step; this run can never"):
+        spec.check_options("p.json", Offload(speculative_step=True), redo=False)
     line = plan.summary()
     assert line.startswith(f"{len(plan.layer_modes)} blocks, micro-batch 2x{plan.seq_len}, 1 round(s)/step, "
                            "predicted step ") and "{" not in line
@@ -918,11 +926,22 @@ def test_speculative_step_by_hand(costs):
     assert pr.cpu_s == pytest.approx(cpu + backup)
     plain = predict(c, p, Dtypes(), ["stream"], ["keep"], "gpu", 1, 1, 1, 15)
     assert pr.host_bytes - plain.host_bytes == 1e9 * (4 + 8)
-    assert unit_host_bytes(lay, "stream", Dtypes(), speculative=True)[0] == 1e9 * (2 + 4 + 4 + 8 + 12)
+    assert unit_host_bytes(lay, "stream", Dtypes(), spare=True)[0] == 1e9 * (2 + 4 + 4 + 8 + 12)
+    # a run that can never redo the step (no clipping, no skipping) updates the state in place:
+    # no spare bytes and nothing copied aside, the same overlap
+    in_place = predict(c, p, Dtypes(), ["stream"], ["keep"], "gpu", 1, 1, 1, 15, speculative=True, spare=False)
+    assert in_place.host_bytes == plain.host_bytes
+    assert in_place.phase_s == pytest.approx([h2d + fwd, bwd + d2h + cpu, 0.0])
     # the solver carries the choice into the plan, within the host budget that now holds the copy
     budget = dict(gpu_budget=4 * GiB, host_budget=64 * GiB, micro_batch=2, rounds=1, cpu_threads=15)
     spec = solve(costs, prof(), Dtypes(), **budget, speculative_step=True)
-    assert spec.speculative_step and spec.predicted["peak_host_bytes"] <= 64 * GiB
+    assert spec.speculative_step and spec.predicted["peak_host_bytes"] <= 64 * GiB and spec.speculative_redo
+    no_redo = solve(costs, prof(), Dtypes(), **budget, speculative_step=True, speculative_redo=False,
+                    overrides=["weights[*]=host"])
+    assert not no_redo.speculative_redo
+    assert no_redo.predicted["peak_host_bytes"] < solve(costs, prof(), Dtypes(), **budget, speculative_step=True,
+                                                         overrides=["weights[*]=host"]).predicted["peak_host_bytes"]
+    assert "in place" in describe(no_redo, costs)
     assert not solve(costs, prof(), Dtypes(), **budget).speculative_step
     # the printed plan says whether there is a CPU step to speculate
     host = solve(costs, prof(), Dtypes(), **budget, speculative_step=True, overrides=["weights[*]=host"])
@@ -980,7 +999,7 @@ def test_one_pass_cpu_adamw_by_hand():
     assert pr.cpu_s == pytest.approx(cpu)
     bf16 = Dtypes(master="bfloat16", moment="bfloat16", grad="bfloat16")
     plain_host, plain_pinned = unit_host_bytes(lay, "stream", bf16)
-    host, pinned = unit_host_bytes(lay, "stream", bf16, speculative=True)
+    host, pinned = unit_host_bytes(lay, "stream", bf16, spare=True)
     assert host - plain_host == 1e9 * (2 + 4) and pinned - plain_pinned == 1e9 * 2
 
 

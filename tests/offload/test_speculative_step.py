@@ -20,10 +20,10 @@ MODES = (["stream", "host_opt", "stream", "gpu"], ["keep", "recompute", "keep", 
 BF16_COMPUTE = dict(F32, compute="bfloat16")
 
 
-def run(speculative, rounds, accs, max_norms, lrs, nan_step=None, tell_lr=True, dtypes=F32):
+def run(speculative, rounds, accs, max_norms, lrs, nan_step=None, tell_lr=True, dtypes=F32, redo=True):
     model = tiny(seed=7)
     p = plan(*MODES, rounds, accs=accs, outer_acc=bool(accs), dtypes=dtypes)
-    p.speculative_step = speculative
+    p.speculative_step, p.speculative_redo = speculative, redo
     eng = OffloadEngine(model, p, torch.device("cpu"), lr=lrs[0], betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
                         no_decay={"model.norm.weight", "model.embed_tokens.weight"})
     head = next(k for k, (n, _) in enumerate(eng.units[0].params) if n == "lm_head.weight")
@@ -44,6 +44,8 @@ def run(speculative, rounds, accs, max_norms, lrs, nan_step=None, tell_lr=True, 
         eng.zero_grad()
     eng.synchronize()
     seconds = eng.reset_host_seconds()
+    assert all((u.optimizer.spare is not None) == (speculative and redo) for u in eng.units
+               if u.optimizer is not None and u.mode != "gpu")
     return losses, skipped, eng.model_state_dict(), eng.optimizer_state_dict(), seconds
 
 
@@ -75,6 +77,31 @@ def test_speculative_steps_equal_the_plain_engine(rounds, accs, kernel, dtypes, 
     assert spec[4].get("speculative_commit", 0) > 0  # speculative updates were kept
     assert spec[4].get("speculative_discarded", 0) > 0  # and redone where the steps clipped
     assert "speculative_commit" not in plain[4]
+
+
+@pytest.mark.parametrize("rounds,accs,kernel,dtypes", [(1, (), True, F32), (2, (), True, F32),
+                                                      (2, (True,) * 4, True, F32), (1, (), False, F32),
+                                                      (1, (), True, BF16_COMPUTE)],
+                         ids=["one_round", "host_accumulation", "gpu_accumulation", "torch_fused_adamw",
+                              "bf16_compute"])
+def test_in_place_speculation_without_clipping_equals_the_plain_engine(rounds, accs, kernel, dtypes, monkeypatch):
+    """A run that neither clips nor skips (plan.speculative_redo False): no spare buffers, the
+    update goes into the state, pieces and all, with the step counted once; the same bits."""
+    if not kernel:
+        monkeypatch.setattr("flame.offload.runtime.host_optimizer.cpu_adamw.available", lambda: False)
+    max_norms, lrs = [0.0] * 4, [1e-2, 5e-3, 5e-3, 2e-3]
+    spec = run(True, rounds, accs, max_norms, lrs, dtypes=dtypes, redo=False)
+    assert_same(spec, run(False, rounds, accs, max_norms, lrs, dtypes=dtypes))
+    assert spec[4].get("speculative_commit", 0) > 0 and "speculative_discarded" not in spec[4]
+
+
+def test_in_place_speculation_refuses_a_step_it_cannot_redo():
+    """Clipping, a skipped step or an lr other than the speculated one would need the state the
+    in-place update overwrote: an error, never a silently different step."""
+    with pytest.raises(RuntimeError, match="cannot be redone"):
+        run(True, 1, (), [1e-3, 1e-3], [1e-2, 1e-2], redo=False)
+    with pytest.raises(RuntimeError, match="cannot be undone"):
+        run(True, 1, (), [0.0, 0.0], [1e-2, 1e-2], nan_step=1, redo=False)
 
 
 def test_unclipped_steps_keep_the_speculative_update():

@@ -80,6 +80,21 @@ def test_speculative_cpu_steps_equal_the_usual_ones(six_steps, tmp_path):
     assert sum(r["offload/speculative_redone"] + r["offload/speculative_undone"] for r in steps) == 0
 
 
+def test_speculative_step_without_clipping_updates_in_place(tmp_path):
+    """`--training.max_norm 0 --training.no-skip_nan_inf` (no step can be redone): the plan has no
+    spare master and moments and the run equals the non-speculative one."""
+    usual, spec = str(tmp_path / "usual"), str(tmp_path / "spec")
+    args = ["--training.steps", "4", *COMMON, *OFFLOAD, "--training.max_norm", "0", "--training.no-skip_nan_inf"]
+    run_job(1, usual, *args)
+    run_job(1, spec, *args, "--offload.speculative_step", "--offload.save_plan", str(tmp_path / "plan.json"))
+    assert losses(spec) == losses(usual)
+    with open(tmp_path / "plan.json") as f:
+        plan = json.load(f)
+    assert plan["speculative_step"] and not plan["speculative_redo"]
+    steps = [r for r in metrics(spec) if "loss" in r]
+    assert sum(r["offload/speculative_kept"] for r in steps) > 0
+
+
 def test_plain_checkpoint_resumes_with_offload(six_steps, tmp_path):
     plain, _ = six_steps
     cross = _stopped_at_step_3(plain, str(tmp_path / "cross"))

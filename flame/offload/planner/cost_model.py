@@ -191,16 +191,17 @@ def speculative_spare_bytes(dt: Dtypes) -> int:
 
 
 def unit_host_bytes(u: UnitCosts, mode: str, dt: Dtypes, rounds: int = 1, gpu_acc: bool = False,
-                    world: int = 1, speculative: bool = False) -> tuple[int, int]:
-    """(total host bytes, of which pinned) of a unit on one rank (its shard when world > 1)."""
+                    world: int = 1, spare: bool = False) -> tuple[int, int]:
+    """(total host bytes, of which pinned) of a unit on one rank (its shard when world > 1);
+    `spare`: a speculative step's spare master and moments (Plan.speculative_redo)."""
     if mode == "gpu":
         return 0, 0
     # a frozen parameter is its compute copy alone: no grad buffers, master copy or moments
     n, t = shard_numel(u.numel, world), shard_numel(u.trainable_numel, world)
     g = DTYPE_BYTES[dt.grad]
-    spare = t * speculative_spare_bytes(dt) if speculative else 0
+    spare_pinned = t * dt.c if spare and not dt.master_extra else 0
+    spare = t * speculative_spare_bytes(dt) if spare else 0
     # a spare master that takes turns with the master as the pinned compute copy is pinned too
-    spare_pinned = t * dt.c if speculative and not dt.master_extra else 0
     if rounds == 1 or gpu_acc:
         # pinned: compute copy the GPU streams from (the master itself when dtypes match) + the
         # grad accumulator the D2H writes into directly (once per step)
@@ -360,7 +361,7 @@ class ActivationMemory:
 
 def state_memory(costs: ModelCosts, dt: Dtypes, layer_modes, outer_mode: str, depth: int, rounds: int,
                  layer_accs: list[bool] | None = None, outer_acc: bool = False, world: int = 1,
-                 speculative: bool = False) -> StateMemory:
+                 spare: bool = False) -> StateMemory:
     layers, outer = costs.layers, costs.outer
     units = [outer] + list(layers)
     modes = [outer_mode] + list(layer_modes)
@@ -368,7 +369,7 @@ def state_memory(costs: ModelCosts, dt: Dtypes, layer_modes, outer_mode: str, de
     static = static_gpu_bytes(units, modes, dt, depth, rounds, accs, world)
     host = pinned = 0
     for u, m, a in zip(units, modes, accs):
-        h, p = unit_host_bytes(u, m, dt, rounds, a, world, speculative)
+        h, p = unit_host_bytes(u, m, dt, rounds, a, world, spare)
         host += h
         pinned += p
     if rounds > 1 and any(m != "gpu" and not a for m, a in zip(modes, accs)):
@@ -423,25 +424,28 @@ def combine_memory(state: StateMemory, acts: ActivationMemory) -> MemoryPredicti
 
 def predict_memory(costs: ModelCosts, dt: Dtypes, layer_modes, layer_acts, outer_mode: str, depth: int,
                    micro_batch: int, rounds: int, layer_accs: list[bool] | None = None, outer_acc: bool = False,
-                   world: int = 1, speculative: bool = False) -> MemoryPrediction:
+                   world: int = 1, spare: bool = False) -> MemoryPrediction:
     """Peak GPU bytes and host/pinned bytes of one plan on one rank (the memory half of `predict`;
     the solver bisects over its two halves, cached, before timing one candidate)."""
     return combine_memory(state_memory(costs, dt, layer_modes, outer_mode, depth, rounds, layer_accs, outer_acc, world,
-                                       speculative),
+                                       spare),
                           activation_memory(costs, dt, layer_acts, depth, micro_batch))
 
 
 def predict(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, layer_modes, layer_acts, outer_mode: str,
             depth: int, micro_batch: int, rounds: int, cpu_threads: int, fudge: float = 1.0,
             layer_accs: list[bool] | None = None, outer_acc: bool = False, world: int = 1,
-            node_ranks: int = 1, memory: MemoryPrediction | None = None, speculative: bool = False) -> Prediction:
+            node_ranks: int = 1, memory: MemoryPrediction | None = None, speculative: bool = False,
+            spare: bool | None = None) -> Prediction:
     """Predicted steady-state step time and peak memory of one plan (`memory`: its predict_memory,
     when the caller has it already; `layer_accs`, `outer_acc`:
     grads of host units accumulated on the GPU over the rounds, sent to the host once a step),
     per rank of `world` data-parallel ranks (host units sharded; bytes are one rank's), `node_ranks`
     of which share this machine's CPUs for their optimizers. `speculative`: host units' CPU steps
-    run in the last backward as their grads land (into spare buffers), unclipped;
-    steps that clip redo them, which this steady-state prediction leaves out."""
+    run in the last backward as their grads land, unclipped (`spare`, default `speculative`: into
+    spare buffers, Plan.speculative_redo); steps that clip redo them, which this steady-state
+    prediction leaves out."""
+    spare = speculative if spare is None else spare
     scale = micro_batch / costs.micro_batch
     layers, outer = costs.layers, costs.outer
     c = dt.c
@@ -479,7 +483,7 @@ def predict(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, layer_modes, l
     # speculative: the same CPU work, queued on the CPU worker after the unit's last D2H of the
     # step instead of gating its next forward; the one-pass kernel writes the spare buffers in its
     # pass, torch's in-place fused AdamW needs master and moments copied there first
-    copied = 0 if prof.cpu_adam_one_pass else speculative_spare_bytes(dt)
+    copied = 0 if prof.cpu_adam_one_pass or not spare else speculative_spare_bytes(dt)
     spec_t = [t + n * copied / memcpy if speculative and m != "gpu" else 0.0 for t, n, m in zip(cpu_t, tn, modes)]
     gate_t = [0.0 if speculative else t for t in cpu_t]
     # speculative, one round, one rank: the outer's untied head is an early piece (runtime.gradients;
@@ -577,7 +581,7 @@ def predict(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, layer_modes, l
     total = sum(phases)
 
     m = memory or predict_memory(costs, dt, layer_modes, layer_acts, outer_mode, depth, micro_batch, rounds,
-                                 layer_accs, outer_acc, world, speculative)
+                                 layer_accs, outer_acc, world, spare)
     useful = rounds * sum(scale * (u.fwd_gemm_flops + u.bwd_gemm_flops + u.fwd_attn_flops + u.bwd_attn_flops) for u in units)
     return Prediction(total, m.gpu_bytes, m.host_bytes, m.pinned_bytes, compute, h2d_bytes, d2h_bytes,
                       sum(spec_t) if speculative else sum(cpu_t),

@@ -41,9 +41,13 @@ class Plan:
     selective_recompute: bool = True
     """Whether the solver could choose selective recompute (offload.selective_recompute)."""
     speculative_step: bool = False
-    """Host units start their CPU AdamW as their grads land in the backward, unclipped, into a
-    spare set of master and moments, and redo it when the step clips or is skipped
-    (offload.speculative_step; the spare's host memory counted by the cost model)."""
+    """Host units start their CPU AdamW as their grads land in the backward, unclipped
+    (offload.speculative_step)."""
+    speculative_redo: bool = True
+    """With speculative_step: the run may have to redo a speculative update (it clips by the grad
+    norm, or skips non-finite steps), so the update goes into a spare set of master and moments
+    (its host memory counted by the cost model). False (no clipping, no skipping): into the state
+    itself, no spare."""
     checkpoint_offload: bool = False
     """Whether the solver could keep recomputed blocks' inputs in host memory (activation mode
     recompute_host; offload.checkpoint_offload); the calibration's re-solve keeps the same choice."""
@@ -90,9 +94,10 @@ class Plan:
         if len(self.layer_modes) != blocks:
             raise ConfigError(f"offload.plan={path!r}: made for {len(self.layer_modes)} blocks, the model has {blocks}")
 
-    def check_options(self, path: str, off) -> None:
+    def check_options(self, path: str, off, redo: bool) -> None:
         """A replayed plan runs with the dtypes and the CPU step it was made for: an `offload`
-        option asking for others would be ignored, so it is an error naming both."""
+        option asking for others would be ignored, so it is an error naming both. `redo`: whether
+        this run may redo a speculative step (`speculative_redo`)."""
         for key in ("compute", "master", "grad", "moment"):
             if self.dtypes.get(key) != getattr(off, f"{key}_dtype"):
                 raise ConfigError(f"offload.plan={path!r}: made for offload.{key}_dtype {self.dtypes.get(key)}, "
@@ -100,6 +105,10 @@ class Plan:
         if self.speculative_step != off.speculative_step:
             raise ConfigError(f"offload.plan={path!r}: made {'with' if self.speculative_step else 'without'} "
                               f"offload.speculative_step, the run has it {'on' if off.speculative_step else 'off'}")
+        if self.speculative_step and self.speculative_redo != redo:
+            raise ConfigError(f"offload.plan={path!r}: made for a run that "
+                              f"{'may' if self.speculative_redo else 'can never'} redo a speculative step; this run "
+                              f"{'may' if redo else 'can never'} (training.max_norm > 0 or training.skip_nan_inf: it may)")
 
     @staticmethod
     def load(path: str) -> "Plan":

@@ -54,7 +54,8 @@ def predict_again(plan: Plan, costs, prof, fudge: float):
     """The plan's decisions predicted again with another profile or compute scale."""
     return predict(costs, prof, Dtypes(**plan.dtypes), plan.layer_modes, plan.layer_acts, plan.outer_mode,
                    plan.prefetch_depth, plan.micro_batch, plan.rounds, plan.cpu_threads, fudge, plan.layer_gpu_acc,
-                   plan.outer_gpu_acc, world=plan.world, node_ranks=plan.node_ranks, speculative=plan.speculative_step)
+                   plan.outer_gpu_acc, world=plan.world, node_ranks=plan.node_ranks, speculative=plan.speculative_step,
+                   spare=plan.speculative_step and plan.speculative_redo)
 
 
 def without_speculation(plan: Plan, costs, prof) -> float:
@@ -89,7 +90,7 @@ def refit(plan: Plan, costs, prof, measured_step_s: float, overrides=None,
                 plan.cpu_threads, depths, overrides=overrides, fudge=fudge, world=plan.world,
                 node_ranks=plan.node_ranks, offload_activations=plan.activation_offload,
                 selective_recompute=plan.selective_recompute, speculative_step=plan.speculative_step,
-                checkpoint_offload=plan.checkpoint_offload)
+                speculative_redo=plan.speculative_redo, checkpoint_offload=plan.checkpoint_offload)
     return fudge, new
 
 

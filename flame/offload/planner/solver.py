@@ -120,11 +120,12 @@ def solve(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, gpu_budget: int,
           micro_batch: int, rounds: int, cpu_threads: int, depths=(1, 2, 3), overrides: list[str] | None = None,
           allow_offload: bool = True, fudge: float = 1.0, world: int = 1, node_ranks: int = 1,
           offload_activations: bool = False, selective_recompute: bool = True,
-          speculative_step: bool = False, checkpoint_offload: bool = False) -> Plan:
+          speculative_step: bool = False, speculative_redo: bool = True, checkpoint_offload: bool = False) -> Plan:
     """The fastest plan whose predicted peak GPU and host bytes fit the budgets
     (`offload_activations`: whether blocks may offload their activations to the host;
     `selective_recompute`: whether blocks may keep their matmul outputs and recompute the rest;
     `speculative_step`: host units' CPU steps start in the backward, see runtime.host_optimizer;
+    `speculative_redo`: the run may redo them (a spare master and moments per host unit);
     `checkpoint_offload`: recomputed blocks may keep their inputs in host memory, see runtime.hooks).
 
     Raises ConfigError naming what is missing when nothing fits (before anything is allocated)."""
@@ -140,6 +141,7 @@ def solve(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, gpu_budget: int,
     splits = [(g, h, n - g - h) for g in range(n + 1) for h in range(n + 1 - g)] if allow_offload else [(n, 0, 0)]
     offload_counts = _offload_counts(costs, prof, micro_batch) if allow_offload and offload_activations else [0]
     act_memory = {}
+    spare = speculative_step and speculative_redo
     # selective recompute is offered where the measured block keeps less under it than in full
     selective = selective_recompute and all(u.act_select_bytes is not None and u.act_select_bytes < u.act_keep_bytes
                                             for u in costs.layers)
@@ -151,7 +153,7 @@ def solve(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, gpu_budget: int,
                     for outer_acc, accs in acc_group:  # GPU memory grows along a group
                         fits_gpu = False
                         state = state_memory(costs, dt, base_modes, outer, depth, rounds, accs, outer_acc, world,
-                                             speculative_step)
+                                             spare)
                         for o in offload_counts:
                             # o blocks offload their activations; the others step down a ladder
                             # keep -> selective -> recompute (-> recompute_host), one block a level
@@ -194,7 +196,8 @@ def solve(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, gpu_budget: int,
                                     lo = mid + 1
                             modes, acts = at(lo)
                             p = predict(costs, prof, dt, modes, acts, outer, depth, micro_batch, rounds, cpu_threads,
-                                        fudge, accs, outer_acc, world, node_ranks, memory(lo), speculative_step)
+                                        fudge, accs, outer_acc, world, node_ranks, memory(lo), speculative_step,
+                                        spare=spare)
                             if best is None or p.step_s < best[0] - 1e-12:
                                 plan = Plan(modes, acts, outer, depth, micro_batch, costs.seq_len, rounds, cpu_threads,
                                             asdict(dt), gpu_budget, host_budget,
@@ -203,6 +206,7 @@ def solve(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, gpu_budget: int,
                                             activation_offload=offload_activations,
                                             selective_recompute=selective_recompute,
                                             speculative_step=speculative_step,
+                                            speculative_redo=speculative_redo,
                                             checkpoint_offload=checkpoint_offload)
                                 best = (p.step_s, plan)
                             if lo == 0:
@@ -262,7 +266,7 @@ def _host_shortfall_hints(costs_of, step_sequences, prof, dt, gpu_budget, host_b
                           kw) -> list[str]:
     """The options that would make a plan fit a host budget nothing fits now, each with the host
     bytes of the plan it gives: without the speculative step (no spare master and moments; the
-    same numerics), then bf16 optimizer state (master, moments, grads: half the bytes)."""
+    same numerics), without clipping and NaN skipping (the speculation in place), then bf16 optimizer state (master, moments, grads: half the bytes)."""
     def host_gib(dtypes, **changes) -> float | None:
         try:
             # a variant that does not fit either needs no hints of its own
@@ -273,10 +277,14 @@ def _host_shortfall_hints(costs_of, step_sequences, prof, dt, gpu_budget, host_b
         return plan.predicted["peak_host_bytes"] / GiB
 
     hints = []
-    if kw.get("speculative_step"):
+    if kw.get("speculative_step") and kw.get("speculative_redo", True):
         gib = host_gib(dt, speculative_step=False)
         if gib is not None:
             hints.append(f"without --offload.speculative_step (its spare master and moments) it plans {gib:.1f} GiB")
+        gib = host_gib(dt, speculative_redo=False)
+        if gib is not None:
+            hints.append(f"with --training.max_norm 0 --training.no-skip_nan_inf (no step to redo: the speculative "
+                         f"step needs no spare) it plans {gib:.1f} GiB")
     wide = [name for name in ("master", "moment", "grad") if DTYPE_BYTES[getattr(dt, name)] > 2]
     if wide:
         gib = host_gib(dataclasses.replace(dt, **{name: "bfloat16" for name in wide}))
@@ -386,8 +394,9 @@ def describe(plan: Plan, costs: ModelCosts) -> str:
     if plan.speculative_step:
         units = zip([plan.outer_mode, *plan.layer_modes], [costs.outer, *costs.layers])
         if any(m != "gpu" and u.trainable_numel for m, u in units):
-            lines.append("  CPU AdamW: speculative (each host block steps as its grads land in the backward; redone on "
-                         "clipped steps)")
+            lines.append("  CPU AdamW: speculative (each host block steps as its grads land in the backward; "
+                         + ("into spare buffers, redone on clipped steps)" if plan.speculative_redo else
+                            "in place: no clipping or skipping can undo it)"))
         else:
             lines.append("  CPU AdamW: none (every trained parameter steps on the GPU): speculative_step has no effect")
     lines.append(f"  predicted step {pr['step_s'] * 1e3:.1f} ms, {pr['tokens_per_s']:.0f} tokens/s, MFU {100 * pr['mfu']:.1f}% "

@@ -130,7 +130,7 @@ class OffloadEngine:
             self.units.append(Unit(len(self.units), "trainable", trainable, "gpu", "keep", False, self.world, self.rank))
         self.optimizer = HostOptimizer(self.units, self.worker, lr, betas, eps, weight_decay,
                                        {clean_name(n) for n in no_decay or ()}, plan.cpu_threads,
-                                       speculative=plan.speculative_step)
+                                       speculative=plan.speculative_step, redo=plan.speculative_redo)
         self.schedule = WeightSchedule(self.units, self.streams, self.device, compute, plan.prefetch_depth, group,
                                        self.world, self.optimizer.wait_for)
         self.gradients = Gradients(self.units, self.streams, self.device, compute, grad, plan.rounds, group,

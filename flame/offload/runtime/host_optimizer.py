@@ -15,7 +15,9 @@ buffers, leaving the state as it was. `finish` makes the spare buffers the state
 the step turns out unclipped at that lr, and otherwise steps again from the untouched state with
 the clip coefficient; a skipped step (`discard_step`) only restores a separate compute copy. The
 step after a clipped or skipped one does not speculate. Either way the result is the usual
-step's, bit for bit: the same kernel on the same inputs.
+step's, bit for bit: the same kernel on the same inputs. A run that can never redo a step (no
+clipping, no skipping of non-finite steps: `redo` False) has no spare buffers: the speculative
+update goes into the state itself, and `finish` only counts the step.
 With one micro-batch a step, a unit's early pieces (gradients.py: a large parameter such as the
 outer unit's untied output head, whose grad arrives at the start of the backward) are stepped
 speculatively on their own as soon as they reach the host, the rest of the unit when it
@@ -77,10 +79,12 @@ class UnitOptimizer:
 
 class HostOptimizer:
     def __init__(self, units: list[Unit], worker: CpuWorker, lr: float, betas, eps: float, weight_decay: float,
-                 no_decay: set[str], cpu_threads: int, speculative: bool = False):
+                 no_decay: set[str], cpu_threads: int, speculative: bool = False, redo: bool = True):
         self.units, self.worker = units, worker
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
         self.speculative = speculative  # host units step as their grads land (see the module doc)
+        # a speculative update may have to be redone: it goes into spare buffers (else in place)
+        self.redo = redo
         # the last step clipped or was skipped: the next one runs the usual way (clipping comes in
         # runs, early in training; a speculation there would only be redone)
         self.last_step_redone = False
@@ -115,7 +119,7 @@ class HostOptimizer:
         param = nn.Parameter(master, requires_grad=False)
         u.optimizer = UnitOptimizer(param, torch.optim.AdamW([param], lr=self.lr, betas=self.betas, eps=self.eps,
                                                              weight_decay=self.weight_decay, fused=True))
-        if self.speculative and u.mode != "gpu":
+        if self.speculative and self.redo and u.mode != "gpu":
             u.optimizer.spare = tuple(torch.empty_like(master) for _ in range(3))
 
     def wait_for(self, u: Unit) -> None:
@@ -188,6 +192,11 @@ class HostOptimizer:
             self.start_on_cpu(u, coef)
             return
         kept = coef == 1.0 and o.speculated_lr == self.lr
+        if not kept and not self.redo:
+            # the run neither clips nor skips steps, and the lr follows the schedule next_lr reads
+            raise RuntimeError(f"offload: unit {u.name}'s in-place speculative update was made at lr "
+                               f"{o.speculated_lr} (clip coefficient 1), the step has lr {self.lr} and clip "
+                               f"coefficient {coef}: it cannot be redone")
         o.speculated_lr = None
         self.speculations["kept" if kept else "redone"] += 1
         self._submit(u, self._commit if kept else self._redo_step, coef, self.lr)
@@ -198,6 +207,9 @@ class HostOptimizer:
         for u in self.units:
             o = u.optimizer
             if o is not None and o.speculated_lr is not None:
+                if not self.redo:
+                    raise RuntimeError(f"offload: unit {u.name}'s speculative update went into its state "
+                                       "(a run without clipping or skip_nan_inf): it cannot be undone")
                 o.speculated_lr = None
                 self.speculations["undone"] += 1
                 self._submit(u, self._undo)
@@ -206,18 +218,25 @@ class HostOptimizer:
         try:
             self._wait_inputs(u, upload_read_done, grads_ready)
             t = time.perf_counter()
-            self._step_body(u, 1.0, lr, into_spare=True, pieces=pieces)
+            # in place: the step count moves at the commit, once for all of the unit's pieces
+            self._step_body(u, 1.0, lr, into_spare=self.redo, pieces=pieces, count_step=False)
             u.optimizer.speculated_s += time.perf_counter() - t
         finally:
             done.set()
 
     def _commit(self, u: Unit, coef: float, lr: float, upload_read_done, done) -> None:
         """The speculative update is the step's: its buffers become the state, the old ones the
-        spare (a master that is the pinned compute copy: the compute copy moves with it)."""
+        spare (a master that is the pinned compute copy: the compute copy moves with it); an
+        update made in place only counts the step."""
         try:
             t = time.perf_counter()
             o = u.optimizer
             st = o.adamw.state[o.master]
+            if o.spare is None:
+                st["step"].add_(1)
+                o.speculated_s = 0.0
+                self.worker.account("speculative_commit", u.index, t)
+                return
             new = o.spare
             o.spare = (o.master.data, st["exp_avg"], st["exp_avg_sq"])
             if same_tensor(u.weights.host, o.master):
@@ -279,10 +298,11 @@ class HostOptimizer:
         return st
 
     def _step_body(self, u: Unit, coef: float, lr: float, into_spare: bool = False,
-                   pieces: list[int] | None = None) -> None:
+                   pieces: list[int] | None = None, count_step: bool = True) -> None:
         """One AdamW step of a host unit with grads scaled by `coef`: in place, or (`into_spare`)
         into the unit's spare buffers with the state left as it was; over the unit's `pieces`
-        only (None: all). Writes the compute copy when it is not the master itself."""
+        only (None: all). Writes the compute copy when it is not the master itself. The state's
+        step count moves only in place with `count_step`."""
         o = u.optimizer
         ranges = u.pieces if pieces is None else [u.pieces[i] for i in pieces]
         st = self.state(o)
@@ -310,7 +330,7 @@ class HostOptimizer:
         if host is not None:
             for a, b in ranges:
                 host[a:b].copy_(dst[0][a:b])
-        if not into_spare:
+        if not into_spare and count_step:
             st["step"].fill_(step)
         t1 = time.perf_counter()
         self.worker.seconds["cpu_adam"] += t1 - t0
