@@ -198,6 +198,7 @@ ANSI = re.compile(r"\x1b\[[0-9;]*m")
 TITAN_STEP = re.compile(r"step:\s*(\d+)\s+loss:\s*(\S+).*?memory:\s*([\d.]+)GiB.*?tps:\s*([\d,]+)")
 CALIBRATION = re.compile(r"step predicted ([\d.eE+-]+) s, measured ([\d.eE+-]+) s .*?peak GPU predicted ([\d.]+) GiB, "
                          r"measured ([\d.]+) GiB")
+CALIBRATION_RESERVED = re.compile(r"offload calibration .*reserved predicted ([\d.]+) GiB")
 
 
 def titan_steps(console: str) -> list[dict]:
@@ -215,8 +216,12 @@ def planner_report(console: str) -> dict:
     if not m:
         return {}
     pred_s, meas_s, pred_peak, meas_peak = (float(g) for g in m.groups())
-    return {"predicted_step_s": pred_s, "calibration_step_s": meas_s, "predicted_peak_gib": pred_peak,
-            "measured_peak_allocated_gib": meas_peak}
+    out = {"predicted_step_s": pred_s, "calibration_step_s": meas_s, "predicted_peak_gib": pred_peak,
+           "measured_peak_allocated_gib": meas_peak}
+    reserved = CALIBRATION_RESERVED.search(console)  # planners from 2026-11-27 on predict reserved too
+    if reserved:
+        out["predicted_peak_reserved_gib"] = float(reserved.group(1))
+    return out
 
 
 def offload_log(console: str) -> list[str]:
@@ -310,7 +315,9 @@ def run_bench_row(row: BenchRow, runs: str, cap_s: float, gpu: str | None = None
         if pr and out["step_s"]:
             out["step_error"] = round(out["step_s"] / pr["predicted_step_s"] - 1, 4)
             out["peak_allocated_error"] = round(pr["measured_peak_allocated_gib"] / pr["predicted_peak_gib"] - 1, 4)
-            out["peak_reserved_error"] = round(out["peak_reserved_gib"] / pr["predicted_peak_gib"] - 1, 4)
+            # against the planner's reserved prediction where it makes one (else its allocated one)
+            out["peak_reserved_error"] = round(out["peak_reserved_gib"] / pr.get("predicted_peak_reserved_gib",
+                                                                                pr["predicted_peak_gib"]) - 1, 4)
     if rc != 0:
         lines = [line for line in ANSI.sub("", console).splitlines() if line.strip()]
         errs = [line for line in lines if "flame: error" in line or "Error" in line or "error:" in line]
@@ -332,8 +339,8 @@ def markdown(doc: dict) -> str:
             lines.append(f"| {r['row']} | {r['what']} | not run: {r['reason']} | | | | | |")
             continue
         pred = (f"{r['predicted_step_s']:.2f} ({100 * r['step_error']:+.0f}%)" if "step_error" in r else "-")
-        peak = (f"{r['predicted_peak_gib']:.1f} ({100 * r['peak_reserved_error']:+.0f}%)"
-                if "peak_reserved_error" in r else "-")
+        peak = (f"{r.get('predicted_peak_reserved_gib', r['predicted_peak_gib']):.1f} "
+                f"({100 * r['peak_reserved_error']:+.0f}%)" if "peak_reserved_error" in r else "-")
         lines.append(f"| {r['row']} | {r['what']} | {r['exit']} | {fmt(r['tokens_per_second'], ',')} | "
                      f"{fmt(r['step_s'], '.2f')} | {fmt(r['peak_reserved_gib'], '.1f')} | {pred} | {peak} |")
     if doc.get("lanes"):

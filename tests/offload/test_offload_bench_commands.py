@@ -84,6 +84,8 @@ def test_log_parsers_read_the_trainers_lines():
              "peak GPU predicted 14.20 GiB, measured 14.80 GiB")
     assert bench.planner_report(flame) == {"predicted_step_s": 2.755, "calibration_step_s": 3.07,
                                            "predicted_peak_gib": 14.2, "measured_peak_allocated_gib": 14.8}
+    # the planner's reserved prediction, where the line has it
+    assert bench.planner_report(flame + " (allocated); reserved predicted 14.95 GiB")["predicted_peak_reserved_gib"] == 14.95
 
 
 def test_list_mode_prints_every_row_without_a_gpu(capsys):

@@ -10,6 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from flame.errors import ConfigError
 from flame.offload.config import Offload
 from flame.offload.measure.tracing import measure_costs, meta_model
+from flame.offload.planner.budgets import FRAGMENTATION_HEADROOM
 from flame.offload.planner.block_costs import ModelCosts, UnitCosts
 from flame.offload.planner.cost_model import Dtypes, _flow, predict, unit_gpu_bytes, unit_host_bytes
 from flame.offload.planner.hardware import HardwareProfile, load, save
@@ -320,6 +321,12 @@ def test_a_host_too_small_for_the_speculative_spare_names_the_option_that_fits(c
 
 def test_plan_file_and_profile_roundtrip(costs, tmp_path):
     plan = solve(costs, prof(), Dtypes(), 3 * GiB, 64 * GiB, 2, 1, 15)
+    # the reserved peak it predicts: its allocated peak plus the fragmentation headroom's cached
+    # blocks, within the allocator cap the budget was cut from
+    pr = plan.predicted
+    assert pr["peak_gpu_reserved_bytes"] == int(pr["peak_gpu_bytes"] / (1 - FRAGMENTATION_HEADROOM))
+    assert pr["peak_gpu_bytes"] < pr["peak_gpu_reserved_bytes"] <= 3 * GiB / (1 - FRAGMENTATION_HEADROOM)
+    assert "allocated, " in describe(plan, costs)
     plan.save(tmp_path / "p.json")
     assert Plan.load(tmp_path / "p.json") == plan
     assert "binding constraint" in describe(plan, costs)

@@ -99,9 +99,11 @@ class StepCalibrator:
         # without a GPU the plan's times are the profile's GPU's: the error says nothing of the planner
         peak_txt = f"{peak / GiB:.2f} GiB" if peak is not None else \
             "n/a (no GPU: this run is on the CPU, the prediction is for the profile's GPU)"
+        reserved = self.plan.predicted.get("peak_gpu_reserved_bytes")
         logger.info("offload calibration (steps %d-%d of this launch): step predicted %.4g s, measured %.4g s (%+.0f%%); "
-                    "peak GPU predicted %.2f GiB, measured %s", self.FIRST, self.last, rep["predicted_step_s"], measured,
-                    100 * rep["step_error"], rep["predicted_peak_gpu_bytes"] / GiB, peak_txt)
+                    "peak GPU predicted %.2f GiB, measured %s%s", self.FIRST, self.last, rep["predicted_step_s"], measured,
+                    100 * rep["step_error"], rep["predicted_peak_gpu_bytes"] / GiB, peak_txt,
+                    f" (allocated); reserved predicted {reserved / GiB:.2f} GiB" if reserved else "")
         if rep["replanned"]:
             new.predicted["overrides"] = self.overrides
             new.predicted["calibration"] = {k: v for k, v in rep.items() if isinstance(v, (int, float, type(None)))}

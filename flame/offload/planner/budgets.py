@@ -31,6 +31,13 @@ FRAGMENTATION_HEADROOM = 0.05
 next request does not fit (the trainer turns on expandable segments, which keep this small)."""
 
 
+def reserved_peak_bytes(allocated_peak_bytes: float) -> int:
+    """The allocator's reserved bytes predicted at a plan's allocated peak: the plan's bytes plus
+    the cached blocks `FRAGMENTATION_HEADROOM` leaves room for (at most the allocator cap when the
+    plan fits its budget: nvidia-smi's number is this plus the memory outside the allocator)."""
+    return int(allocated_peak_bytes / (1 - FRAGMENTATION_HEADROOM))
+
+
 @dataclass(frozen=True)
 class GpuBudget:
     """One GPU's memory split, in bytes."""

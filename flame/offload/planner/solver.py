@@ -22,6 +22,7 @@ from dataclasses import asdict
 
 from flame.errors import ConfigError
 from flame.offload.planner.block_costs import ModelCosts
+from flame.offload.planner.budgets import reserved_peak_bytes
 from flame.offload.planner.cost_model import (DTYPE_BYTES, Dtypes, Prediction, activation_memory, combine_memory,
                                               duplex_shares, offload_bytes, predict, state_memory, unit_times)
 from flame.offload.planner.hardware import HardwareProfile
@@ -339,7 +340,8 @@ def _pred_dict(p: Prediction, costs: ModelCosts, micro_batch: int, rounds: int, 
     peak = prof.gemm_rate("8192x8192x8192") if "8192x8192x8192" in prof.gemm_tflops else prof.gemm_rate()
     return {"step_s": p.step_s, "tokens_per_s": tokens / p.step_s, "mfu": p.useful_flops / p.step_s / peak,
             "useful_tflops": p.useful_flops / p.step_s / 1e12,
-            "peak_gpu_bytes": p.gpu_bytes, "peak_host_bytes": p.host_bytes, "pinned_bytes": p.pinned_bytes,
+            "peak_gpu_bytes": p.gpu_bytes, "peak_gpu_reserved_bytes": reserved_peak_bytes(p.gpu_bytes),
+            "peak_host_bytes": p.host_bytes, "pinned_bytes": p.pinned_bytes,
             "compute_s": p.compute_s, "h2d_bytes": p.h2d_bytes, "d2h_bytes": p.d2h_bytes, "cpu_opt_s": p.cpu_s,
             "static_gpu_bytes": p.static_gpu, "activation_bytes": p.activation_bytes, "transient_bytes": p.transient_bytes,
             "phase_s": p.phase_s}
@@ -401,7 +403,9 @@ def describe(plan: Plan, costs: ModelCosts) -> str:
             lines.append("  CPU AdamW: none (every trained parameter steps on the GPU): speculative_step has no effect")
     lines.append(f"  predicted step {pr['step_s'] * 1e3:.1f} ms, {pr['tokens_per_s']:.0f} tokens/s, MFU {100 * pr['mfu']:.1f}% "
                  f"({pr['useful_tflops']:.0f} TFLOP/s useful)")
-    lines.append(f"  peak GPU {pr['peak_gpu_bytes'] / GiB:.2f} GiB of {plan.gpu_budget_bytes / GiB:.2f}; host "
+    reserved = pr.get("peak_gpu_reserved_bytes")
+    lines.append(f"  peak GPU {pr['peak_gpu_bytes'] / GiB:.2f} GiB of {plan.gpu_budget_bytes / GiB:.2f}"
+                 + (f" allocated, {reserved / GiB:.2f} reserved" if reserved else "") + "; host "
                  f"{pr['peak_host_bytes'] / GiB:.2f} GiB of {plan.host_budget_bytes / GiB:.2f} (pinned {pr['pinned_bytes'] / GiB:.2f})")
     lines.append(f"  binding constraint: {plan.binding}")
     return "\n".join(lines)
