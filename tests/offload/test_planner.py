@@ -588,6 +588,11 @@ def test_step_calibration_refits_writes_and_reuses_the_plan(tmp_path, monkeypatc
     assert cal.calibrated_plan_for(str(tmp_path), solve(costs, p, Dtypes(), 3 * GiB, 64 * GiB, 2, 1, 7), []) is None
     tight = dataclasses.replace(plan, gpu_budget_bytes=new.predicted["peak_gpu_bytes"] - 1)
     assert cal.calibrated_plan_for(str(tmp_path), tight, []) is None
+    # a launch with other offload options, or that may now have to redo a speculative step
+    for change in (dict(speculative_step=True), dict(checkpoint_offload=True), dict(selective_recompute=False),
+                   dict(activation_offload=True)):
+        assert cal.calibrated_plan_for(str(tmp_path), dataclasses.replace(plan, **change), []) is None, change
+    assert cal.calibrated_plan_for(str(tmp_path), dataclasses.replace(plan, speculative_redo=False), []) is not None
 
 
 def test_calibration_says_when_a_speculative_plan_runs_slower_than_it_would_without(tmp_path, monkeypatch, costs,
