@@ -473,6 +473,13 @@ def validate(cfg) -> None:
         value = getattr(v, name)
         if value is not None and value < least:
             raise ConfigError(f"validation.{name} {value}: must be >= {least} (unset: the training value)")
+    if not v.enable:
+        # validation options given without the switch would be ignored without a word
+        given = [f"validation.{name}" for name in ("dataset", "interval", "local_batch_size", "seq_len")
+                 if getattr(v, name, None) is not None]
+        if given:
+            raise ConfigError(f"{', '.join(given)} set but validation is off: add --validation.enable "
+                              "(or drop the option)")
     if v.enable and v.freq < 1:
         raise ConfigError(f"validation.freq {v.freq}: must be >= 1")
     if not 0.0 <= cfg.lr_scheduler.min_lr_factor <= 1.0:

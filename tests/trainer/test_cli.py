@@ -46,7 +46,7 @@ def test_job_file_paths_resolve_against_its_folder(tmp_path, monkeypatch):
     toml.write_text(
         '[model]\nconfig = "model.json"\ntokenizer_path = "tok"\n'
         '[training]\ndataset = "data/a,HuggingFaceFW/fineweb-edu,data/b"\ndata_files = ",,data/b/*.jsonl"\n'
-        '[validation]\ndataset = "flame/assets/sample_corpus"\n'
+        '[validation]\nenable = true\ndataset = "flame/assets/sample_corpus"\n'
         '[job]\ndump_folder = "exp/run"\n'
     )
     elsewhere = tmp_path / "elsewhere"

@@ -58,7 +58,7 @@ def test_softpick_paper_command():
 def test_cli_overrides_toml_and_aliases():
     cfg = parse("--optimizer.lr", "0.5", "--checkpoint.enable_checkpoint", "--job.print_args",
                 "--checkpoint.last_save_model_weights_only", "--training.deterministic",
-                "--training.data_probs", "0.6,0.4", "--validation.interval", "7")
+                "--training.data_probs", "0.6,0.4", "--validation.enable", "--validation.interval", "7")
     assert cfg.optimizer.lr == 0.5 and cfg.checkpoint.enable and cfg.job.print_config
     assert cfg.checkpoint.last_save_model_only and cfg.debug.deterministic
     assert cfg.training.data_probs == [0.6, 0.4] and cfg.validation.freq == 7
@@ -129,6 +129,8 @@ def test_bad_values_each_name_themselves(tmp_path):
              (["--training.dataset", str(tmp_path / "no_corpus")], "training.dataset: '.*no_corpus' does not exist"),
              (["--training.dataset", f"{CORPUS},{tmp_path}/shards/*.jsonl"], r"training.dataset: '.*shards/\*.jsonl' matches no file"),
              (["--model.tokenizer_path", "./no_tokenizer_here"], "model.tokenizer_path: './no_tokenizer_here': no such folder"),
+             (["--validation.dataset", CORPUS, "--validation.seq_len", "64"],
+              r"validation.dataset, validation.seq_len set but validation is off: add --validation.enable"),
              (["--profiling.enable_profiling", "--profiling.profile_freq", "3"],
               r"profiling.profile_freq 3: a profiling cycle must hold profiling.profiler_warmup \(3, at least 0\) \+ profiling.profiler_active \(1, at least 1\) steps")]
     for extra, says in cases:
