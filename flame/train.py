@@ -358,6 +358,10 @@ class Trainer(Stateful):
         local_tokens = sum((b["labels"] != IGNORE_INDEX).sum() for b in batches)
         global_tokens = all_sum(local_tokens.float(), pd.get_optional_mesh("batch"))
         loss_total = torch.zeros((), device=self.device)
+        if getattr(self.optimizers, "writes_state_in_backward", False):
+            # the backward's in-place speculative CPU steps write the weights and moments an
+            # async checkpoint's staging may still be copying (clip_and_step waits too late)
+            self.checkpointer.maybe_wait_for_staging()
         for batch in batches:
             loss = self.forward_loss_sum(batch) / global_tokens.clamp(min=1)
             (loss * self.loss_scale).backward()

@@ -35,6 +35,13 @@ class OffloadOptimizers(Stateful):
         return 1
 
     @property
+    def writes_state_in_backward(self) -> bool:
+        """In-place speculative CPU steps (Plan.speculative_redo False) update the master weights
+        and moments during the backward, before step(): a checkpoint's staging must be done first."""
+        o = self.engine.optimizer
+        return o.speculative and not o.redo
+
+    @property
     def lr(self) -> float:
         return self.lr_holder.param_groups[0]["lr"]
 

@@ -158,3 +158,33 @@ def test_the_head_steps_before_the_outer_unit_completes():
         assert before_embedding[i] == 2 * i + 1  # this step's head piece (and the earlier steps' two pieces)
         assert outer_steps() == 2 * i + 2
     assert eng.optimizer.speculations == {"kept": 3 * sum(u.mode != "gpu" for u in eng.units)}
+
+
+def test_the_trainer_waits_for_checkpoint_staging_before_an_in_place_backward(tmp_path):
+    """An async checkpoint's staging copies the optimizer state in the background while the next
+    step runs; in-place speculative updates write that state during the backward, so the trainer
+    waits for the staging before the backward too, not only before step()."""
+    import os
+
+    import flame
+    from tests.trainer.helpers import tiny_job, train_in_process
+
+    profile = os.path.join(os.path.dirname(flame.__file__), "offload/profiles/h100_80gb_measured.json")
+    calls = []
+
+    def count_waits(trainer):
+        wait = trainer.checkpointer.maybe_wait_for_staging
+
+        def counted():
+            calls.append(1)
+            return wait()
+
+        trainer.checkpointer.maybe_wait_for_staging = counted
+
+    offload = ["--offload.enable", "on", "--offload.profile", profile, "--offload.overrides", "weights[*]=host",
+               "--offload.speculative_step", "--checkpoint.no-enable", "--training.steps", "3"]
+    # per step: before the backward (in place only) and before step()
+    for no_redo, waits in ((["--training.max_norm", "0", "--training.no-skip_nan_inf"], 6), ([], 3)):
+        calls.clear()
+        train_in_process(tiny_job(str(tmp_path / f"run{len(no_redo)}"), *offload, *no_redo), before_train=count_waits)
+        assert len(calls) == waits
