@@ -34,8 +34,8 @@ def _setup(B, T, H, D, small=False):
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, do = (torch.randn(B, n, H, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
     o = torch.empty_like(q)
-    lse = torch.empty(B * n, H, device="cuda", dtype=torch.float32)
-    delta = torch.empty(B * n, H, device="cuda", dtype=torch.float32)
+    lse = torch.empty(H, B * n, device="cuda", dtype=torch.float32)
+    delta = torch.empty(H, B * n, device="cuda", dtype=torch.float32)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     cu = torch.empty(1, device="cuda", dtype=torch.int32)
     return dict(q=q, k=k, v=v, do=do, o=o, lse=lse, delta=delta, dq=dq, dk=dk, dv=dv, cu=cu)
@@ -52,16 +52,16 @@ def _launcher(t, kernel, mode_id, cfg, B, T, H, D, warm=False):
     common = dict(D=D, BD=bd, MODE=mode_id, IS_VARLEN=False, PREC="tf32", num_warps=nw, num_stages=ns)
     if kernel == "fwd":
         fn, grid = K.attn_fwd_kernel, (cdiv(T, outer), H, B)
-        args = (t["q"], t["k"], t["v"], t["o"], t["lse"], t["cu"], scale * LOG2E, 1e-6, T, H, H)
+        args = (t["q"], t["k"], t["v"], t["o"], t["lse"], t["cu"], scale * LOG2E, 1e-6, T, B * T, H, H)
         kw = dict(BM=outer, BN=inner, **common)
     elif kernel == "dkdv":
         fn, grid = K.attn_bwd_dkdv_kernel, (cdiv(T, outer), H, B)
         args = (t["q"], t["k"], t["v"], t["do"], t["lse"], t["delta"], t["dk"], t["dv"], t["cu"], scale * LOG2E,
-                scale, T, H, H)
+                scale, T, B * T, H, H)
         kw = dict(BN=outer, BM=inner, RAW_SIGN=True, **common)
     else:
         fn, grid = K.attn_bwd_dq_kernel, (cdiv(T, outer), H, B)
-        args = (t["q"], t["k"], t["v"], t["do"], t["lse"], t["delta"], t["dq"], t["cu"], scale * LOG2E, scale, T, H, H)
+        args = (t["q"], t["k"], t["v"], t["do"], t["lse"], t["delta"], t["dq"], t["cu"], scale * LOG2E, scale, T, B * T, H, H)
         kw = dict(BM=outer, BN=inner, RAW_SIGN=True, **common)
     if warm:
         return lambda: fn.warmup(*args, grid=grid, **kw)
@@ -117,7 +117,7 @@ def main():
         # o, lse and delta of this mode (default tiles) for the backward kernels
         _launcher(t, "fwd", mode_id, FWD[0], B, T, H, D)()
         n = B * T * H
-        K.bwd_delta_kernel[(n // 64,)](t["o"], t["do"], t["delta"], n, D=D, BD=D, BR=64, num_warps=4)
+        K.bwd_delta_kernel[(n // 64,)](t["o"], t["do"], t["delta"], n, B * T, H, D=D, BD=D, BR=64, num_warps=4)
         for kern, cfgs in (("fwd", FWD), ("dkdv", BWD_DKDV), ("dq", BWD_DQ)):
             for cfg in cfgs:
                 r = dict(mode=mode, kernel=kern, tile=list(cfg))
@@ -140,7 +140,7 @@ def main():
     print("best:")
     for (mode, kern), r in best.items():
         print(f"  {mode:<10} {kern:<5} {tuple(r['tile'])} {r['ms']:.3f} ms")
-    delta_ms = do_bench(lambda: K.bwd_delta_kernel[(n // 64,)](t["o"], t["do"], t["delta"], n, D=D, BD=D, BR=64,
+    delta_ms = do_bench(lambda: K.bwd_delta_kernel[(n // 64,)](t["o"], t["do"], t["delta"], n, B * T, H, D=D, BD=D, BR=64,
                                                                 num_warps=4), warmup=5, rep=25)
     print(f"delta kernel {delta_ms:.4f} ms; torch (do.float()*o.float()).sum(-1): "
           f"{do_bench(lambda: (t['do'].float() * t['o'].float()).sum(-1), warmup=5, rep=25):.4f} ms")

@@ -109,6 +109,8 @@ def kernel_section():
         check(1, 45, 2, 1, 32, mode, torch.tensor([0, 10, 11, 30, 45]))  # varlen incl. a 1-token document
         check(2, 20, 2, 2, 16, mode, torch.tensor([0, 7, 33, 40]))       # varlen over a batch of 2
         check(1, 33, 2, 2, 16, mode, scale=4.0)                          # large logits
+        # four key tiles a row with maxima that grow from tile to tile: the forward's rescaling
+        check(1, 64, 2, 2, 16, mode, scale=2.0)
     check(1, 18, 1, 1, 256, "softpick")                                  # largest head dim
 
 def compiled_section():
@@ -172,7 +174,7 @@ def interpreter_run():
 def test_kernels_under_interpreter(interpreter_run):
     r = interpreter_run
     assert "FAILED kernel_section" not in r.stdout, r.stdout[-4000:]
-    assert r.stdout.count("ok ") == 14, r.stdout[-2000:] + r.stderr[-4000:]
+    assert r.stdout.count("ok ") == 17, r.stdout[-2000:] + r.stderr[-4000:]
 
 
 def test_custom_ops_opcheck_and_compile(interpreter_run):

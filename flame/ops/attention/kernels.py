@@ -1,7 +1,8 @@
 """Triton kernels for causal attention with softmax, softpick or rectified-softmax rows.
 
 Layout: q [N_tok, HQ, D], k/v [N_tok, HK, D] (tokens flattened over batch and documents),
-statistics [N_tok, HQ] in float32. Logits are kept in base 2: ``s2 = (q . k) * scale * log2(e)``.
+statistics [HQ, N_tok] in float32 (head-major: the backward's key-block programs read a run of
+consecutive queries of one head per tile). Logits are kept in base 2: ``s2 = (q . k) * scale * log2(e)``.
 
 Per query row i and admissible key j (causal, same document):
 
@@ -138,7 +139,7 @@ def _query_rows(bos, blk, h, seqlen, HQ, HK, D: tl.constexpr, BD: tl.constexpr, 
 
 @triton.jit
 def attn_fwd_kernel(
-    Q, K, V, O, LSE, CU, scale_log2, eps, T,
+    Q, K, V, O, LSE, CU, scale_log2, eps, T, NTOK,
     HQ, HK, D: tl.constexpr, BD: tl.constexpr,
     MODE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr, RAW_SIGN: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr,
@@ -177,12 +178,13 @@ def attn_fwd_kernel(
         o = tl.where(pos[:, None], acc / safe[:, None], 0.0)
         lse = tl.where(pos, m + tl.log2(safe), 1.0e30)
     tl.store(O + q_off, o.to(O.dtype.element_ty), mask=q_mask)
-    tl.store(LSE + (bos + offs_m) * HQ + h, lse, mask=mask_m)
+    tl.store(LSE + h * NTOK + bos + offs_m, lse, mask=mask_m)
 
 
 @triton.jit
-def bwd_delta_kernel(O, DO, DELTA, N, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr):
-    """DELTA[r] = sum_d O[r, d] * DO[r, d] in float32 for the N = tokens * heads rows of O and DO."""
+def bwd_delta_kernel(O, DO, DELTA, N, NTOK, HQ, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr):
+    """sum_d O[r, d] * DO[r, d] in float32 for the N = tokens * heads rows r of O and DO (token-major),
+    stored head-major: DELTA[r % HQ, r // HQ] of a [HQ, NTOK] tensor."""
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     offs_d = tl.arange(0, BD)
     mask_r = rows < N
@@ -190,7 +192,7 @@ def bwd_delta_kernel(O, DO, DELTA, N, D: tl.constexpr, BD: tl.constexpr, BR: tl.
     off = rows[:, None].to(tl.int64) * D + offs_d[None, :]
     o = tl.load(O + off, mask=mask, other=0.0).to(tl.float32)
     do = tl.load(DO + off, mask=mask, other=0.0).to(tl.float32)
-    tl.store(DELTA + rows, tl.sum(o * do, 1), mask=mask_r)
+    tl.store(DELTA + (rows % HQ) * NTOK + rows // HQ, tl.sum(o * do, 1), mask=mask_r)
 
 
 @triton.jit
@@ -238,7 +240,7 @@ def _weights_and_grad(
 @triton.jit
 def _dkdv_tiles(
     dk, dv, k, v, q_base, do_base, lse_base, delta_base, offs_n, lo, hi, seqlen, scale_log2,
-    Q_STRIDE, HQ, D: tl.constexpr, BD: tl.constexpr,
+    Q_STRIDE, D: tl.constexpr, BD: tl.constexpr,
     MODE: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr, RAW_SIGN: tl.constexpr, BM: tl.constexpr,
 ):
     offs_d = tl.arange(0, BD)
@@ -250,13 +252,13 @@ def _dkdv_tiles(
             mask_m = qm < seqlen
             q = tl.load(q_base + q_off, mask=mask_m[:, None] & mask_d[None, :], other=0.0)
             do = tl.load(do_base + q_off, mask=mask_m[:, None] & mask_d[None, :], other=0.0)
-            lse = tl.load(lse_base + qm * HQ, mask=mask_m, other=float("inf"))
-            delta = tl.load(delta_base + qm * HQ, mask=mask_m, other=0.0)
+            lse = tl.load(lse_base + qm, mask=mask_m, other=float("inf"))
+            delta = tl.load(delta_base + qm, mask=mask_m, other=0.0)
         else:  # whole tiles inside the document: no bounds masks (fewer live registers)
             q = tl.load(q_base + q_off)
             do = tl.load(do_base + q_off)
-            lse = tl.load(lse_base + qm * HQ)
-            delta = tl.load(delta_base + qm * HQ)
+            lse = tl.load(lse_base + qm)
+            delta = tl.load(delta_base + qm)
         if MODE == 1:
             c = tl.exp2(-lse)
         else:
@@ -273,7 +275,7 @@ def _dkdv_tiles(
 
 @triton.jit
 def attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, CU, scale_log2, scale, T,
+    Q, K, V, DO, LSE, DELTA, DK, DV, CU, scale_log2, scale, T, NTOK,
     HQ, HK, D: tl.constexpr, BD: tl.constexpr,
     MODE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr, RAW_SIGN: tl.constexpr,
     BN: tl.constexpr, BM: tl.constexpr,
@@ -301,14 +303,14 @@ def attn_bwd_dkdv_kernel(
         h = hk * (HQ // HK) + g
         q_base = Q + bos * (HQ * D) + h * D
         do_base = DO + bos * (HQ * D) + h * D
-        lse_base = LSE + bos * HQ + h
-        delta_base = DELTA + bos * HQ + h
+        lse_base = LSE + h * NTOK + bos
+        delta_base = DELTA + h * NTOK + bos
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, offs_n, diag, diag_hi,
-                             seqlen, scale_log2, HQ * D, HQ, D, BD, MODE, True, PREC, RAW_SIGN, BM)
+                             seqlen, scale_log2, HQ * D, D, BD, MODE, True, PREC, RAW_SIGN, BM)
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, offs_n, diag_hi, full_hi,
-                             seqlen, scale_log2, HQ * D, HQ, D, BD, MODE, False, PREC, RAW_SIGN, BM)
+                             seqlen, scale_log2, HQ * D, D, BD, MODE, False, PREC, RAW_SIGN, BM)
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, offs_n, full_hi, seqlen,
-                             seqlen, scale_log2, HQ * D, HQ, D, BD, MODE, True, PREC, RAW_SIGN, BM)
+                             seqlen, scale_log2, HQ * D, D, BD, MODE, True, PREC, RAW_SIGN, BM)
     dk = dk * scale
     tl.store(DK + kv_off, dk.to(DK.dtype.element_ty), mask=kv_mask)
     tl.store(DV + kv_off, dv.to(DV.dtype.element_ty), mask=kv_mask)
@@ -335,7 +337,7 @@ def _dq_tiles(
 
 @triton.jit
 def attn_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, CU, scale_log2, scale, T,
+    Q, K, V, DO, LSE, DELTA, DQ, CU, scale_log2, scale, T, NTOK,
     HQ, HK, D: tl.constexpr, BD: tl.constexpr,
     MODE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr, RAW_SIGN: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr,
@@ -348,8 +350,8 @@ def attn_bwd_dq_kernel(
     offs_m, mask_m, q_off, q_mask, kv_base = _query_rows(bos, blk, h, seqlen, HQ, HK, D, BD, BM)
     q = tl.load(Q + q_off, mask=q_mask, other=0.0)
     do = tl.load(DO + q_off, mask=q_mask, other=0.0)
-    lse = tl.load(LSE + (bos + offs_m) * HQ + h, mask=mask_m, other=float("inf"))
-    delta = tl.load(DELTA + (bos + offs_m) * HQ + h, mask=mask_m, other=0.0)
+    lse = tl.load(LSE + h * NTOK + bos + offs_m, mask=mask_m, other=float("inf"))
+    delta = tl.load(DELTA + h * NTOK + bos + offs_m, mask=mask_m, other=0.0)
     # per-row constants, broadcast once outside the tile loops
     lse_b = lse[:, None]
     delta_b = delta[:, None]

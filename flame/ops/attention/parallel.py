@@ -49,21 +49,21 @@ def attn_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: Optional[torch.Tensor],
     mode_id: int, scale: float, eps: float, max_seqlen: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Output [B, T, HQ, D] and the base-2 log denominators [B * T, HQ] (float32) of contiguous
+    """Output [B, T, HQ, D] and the base-2 log denominators [HQ, B * T] (float32) of contiguous
     q [B, T, HQ, D], k / v [B, T, HK, D]."""
     from flame.ops.attention.kernels import attn_fwd_kernel
 
     B, T, HQ, D = q.shape
     HK = k.shape[2]
     o = torch.empty(q.shape, device=q.device, dtype=q.dtype)
-    lse = torch.empty(B * T, HQ, device=q.device, dtype=torch.float32)
+    lse = torch.empty(HQ, B * T, device=q.device, dtype=torch.float32)
     bd = max(16, next_pow2(D))
     cu = cu_seqlens if cu_seqlens is not None else q.new_empty(1, dtype=torch.int32)
     n_docs = _n_docs(q, cu_seqlens)
 
     def launch(c: TileConfig):
         attn_fwd_kernel[(cdiv(max_seqlen, c.outer), HQ, n_docs)](
-            q, k, v, o, lse, cu, scale * LOG2E, eps, T, HQ, HK,
+            q, k, v, o, lse, cu, scale * LOG2E, eps, T, B * T, HQ, HK,
             D=D, BD=bd, MODE=mode_id, IS_VARLEN=cu_seqlens is not None, PREC=_prec(q.dtype), RAW_SIGN=scale > 0,
             BM=c.outer, BN=c.inner, num_warps=c.num_warps, num_stages=c.num_stages,
         )
@@ -75,7 +75,7 @@ def attn_fwd(
 @attn_fwd.register_fake
 def _attn_fwd_fake(q, k, v, cu_seqlens, mode_id, scale, eps, max_seqlen):
     B, T, HQ, _ = q.shape
-    return q.new_empty(q.shape), q.new_empty(B * T, HQ, dtype=torch.float32)
+    return q.new_empty(q.shape), q.new_empty(HQ, B * T, dtype=torch.float32)
 
 
 @torch.library.custom_op("flame::attn_bwd", mutates_args=())
@@ -91,10 +91,10 @@ def attn_bwd(
     bd = max(16, next_pow2(D))
     do = do.contiguous()
     # D_i = dO_i . O_i in float32, one fused pass (no float32 copies of O and dO)
-    delta = torch.empty(B * T, HQ, device=q.device, dtype=torch.float32)
+    delta = torch.empty(HQ, B * T, device=q.device, dtype=torch.float32)
     n_rows = B * T * HQ
     br = 16 if triton_interpreting() else max(16, 8192 // bd)
-    bwd_delta_kernel[(cdiv(n_rows, br),)](o, do, delta, n_rows, D=D, BD=bd, BR=br, num_warps=4)
+    bwd_delta_kernel[(cdiv(n_rows, br),)](o, do, delta, n_rows, B * T, HQ, D=D, BD=bd, BR=br, num_warps=4)
     dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     dk = torch.empty(k.shape, device=k.device, dtype=k.dtype)
     dv = torch.empty(v.shape, device=v.device, dtype=v.dtype)
@@ -105,13 +105,13 @@ def attn_bwd(
 
     def launch_dkdv(c: TileConfig):
         attn_bwd_dkdv_kernel[(cdiv(max_seqlen, c.outer), HK, n_docs)](
-            q, k, v, do, lse, delta, dk, dv, cu, scale * LOG2E, scale, T, HQ, HK,
+            q, k, v, do, lse, delta, dk, dv, cu, scale * LOG2E, scale, T, B * T, HQ, HK,
             BN=c.outer, BM=c.inner, num_warps=c.num_warps, num_stages=c.num_stages, **common,
         )
 
     def launch_dq(c: TileConfig):
         attn_bwd_dq_kernel[(cdiv(max_seqlen, c.outer), HQ, n_docs)](
-            q, k, v, do, lse, delta, dq, cu, scale * LOG2E, scale, T, HQ, HK,
+            q, k, v, do, lse, delta, dq, cu, scale * LOG2E, scale, T, B * T, HQ, HK,
             BM=c.outer, BN=c.inner, num_warps=c.num_warps, num_stages=c.num_stages, **common,
         )
 
