@@ -22,6 +22,7 @@ the measured ones (its calibration line, steps 3-5) with their errors.
 usage:
     python benchmarks/offload.py OUT.json [--shapes 3B,8B] [--rows a,b] [--steps N] [--budget_s S] [--append]
     python benchmarks/offload.py OUT.json --lanes "a,b;c,d"   # lanes at once, each on a GPU of its own
+Every row runs on one GPU (the first visible one, or its lane's), flame's as torchtitan's.
     python benchmarks/offload.py --list          # rows and their command lines (any machine, no GPU)
     python benchmarks/offload.py --markdown OUT.json
 """
@@ -431,7 +432,8 @@ def main(argv: list[str] | None = None) -> int:
                     json.dump(doc, f, indent=1)
 
     if len(lanes) == 1:
-        run_lane(lanes[0], None)
+        # one GPU, as torchtitan's rows run: train.sh would start a rank per visible GPU
+        run_lane(lanes[0], gpu_slots(1)[0][0])
     else:
         # each lane on a GPU of its own; the host (cores, memory bandwidth) is shared, which the
         # JSON records as the lanes that ran at once
