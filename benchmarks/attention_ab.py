@@ -30,33 +30,39 @@ q, k, v, do = (torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16, gene
 N = B * T
 def cdiv(a, b): return (a + b - 1) // b
 
-def run_old(mode_id, layout, tf, tkv, tq, cu, ms):
+def launchers(K, head_major, mode_id, tf, tkv, tq, cu, ms):
+    """The four launches of module K (forward, delta, dK/dV, dQ) and their outputs; ``head_major``:
+    statistics [H, N] and the token count among the arguments (the tree's kernels), else [N, H]."""
     varlen = cu is not None
     cuu = cu if varlen else torch.empty(1, device="cuda", dtype=torch.int32)
     nd = (cu.numel() - 1) if varlen else B
-    o = torch.empty_like(q); lse = torch.empty(N, H, device="cuda", dtype=torch.float32)
-    delta = torch.empty(N, H, device="cuda", dtype=torch.float32)
+    stats = (H, N) if head_major else (N, H)
+    ntok = (N,) if head_major else ()
+    o = torch.empty_like(q)
+    lse = torch.empty(*stats, device="cuda", dtype=torch.float32)
+    delta = torch.empty(*stats, device="cuda", dtype=torch.float32)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     common = dict(D=D, BD=D, MODE=mode_id, IS_VARLEN=varlen, PREC="tf32", RAW_SIGN=True)
-    f = lambda: OLD.attn_fwd_kernel[(cdiv(ms, tf[0]), H, nd)](q, k, v, o, lse, cuu, scale * LOG2E, 1e-6, T, H, H, BM=tf[0], BN=tf[1], num_warps=tf[2], num_stages=tf[3], **common)
-    dl = lambda: OLD.bwd_delta_kernel[(cdiv(N * H, 128),)](o, do, delta, N * H, D=D, BD=D, BR=128, num_warps=4)
-    kv = lambda: OLD.attn_bwd_dkdv_kernel[(cdiv(ms, tkv[0]), H, nd)](q, k, v, do, lse, delta, dk, dv, cuu, scale * LOG2E, scale, T, H, H, BN=tkv[0], BM=tkv[1], num_warps=tkv[2], num_stages=tkv[3], **common)
-    dqf = lambda: OLD.attn_bwd_dq_kernel[(cdiv(ms, tq[0]), H, nd)](q, k, v, do, lse, delta, dq, cuu, scale * LOG2E, scale, T, H, H, BM=tq[0], BN=tq[1], num_warps=tq[2], num_stages=tq[3], **common)
+    tile = lambda c, outer, inner: {outer: c[0], inner: c[1], "num_warps": c[2], "num_stages": c[3]}
+    bwd = (cuu, scale * LOG2E, scale, T, *ntok, H, H)
+    f = lambda: K.attn_fwd_kernel[(cdiv(ms, tf[0]), H, nd)](
+        q, k, v, o, lse, cuu, scale * LOG2E, 1e-6, T, *ntok, H, H, **tile(tf, "BM", "BN"), **common)
+    dl = lambda: K.bwd_delta_kernel[(cdiv(N * H, 128),)](
+        o, do, delta, N * H, *((N, H) if head_major else ()), D=D, BD=D, BR=128, num_warps=4)
+    kv = lambda: K.attn_bwd_dkdv_kernel[(cdiv(ms, tkv[0]), H, nd)](
+        q, k, v, do, lse, delta, dk, dv, *bwd, **tile(tkv, "BN", "BM"), **common)
+    dqf = lambda: K.attn_bwd_dq_kernel[(cdiv(ms, tq[0]), H, nd)](
+        q, k, v, do, lse, delta, dq, *bwd, **tile(tq, "BM", "BN"), **common)
     return (f, dl, kv, dqf), (o, dq, dk, dv)
 
-def run_new(mode_id, layout, tf, tkv, tq, cu, ms):
-    varlen = cu is not None
-    cuu = cu if varlen else torch.empty(1, device="cuda", dtype=torch.int32)
-    nd = (cu.numel() - 1) if varlen else B
-    o = torch.empty_like(q); lse = torch.empty(H, N, device="cuda", dtype=torch.float32)
-    delta = torch.empty(H, N, device="cuda", dtype=torch.float32)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    common = dict(D=D, BD=D, MODE=mode_id, IS_VARLEN=varlen, PREC="tf32", RAW_SIGN=True)
-    f = lambda: NEW.attn_fwd_kernel[(cdiv(ms, tf[0]), H, nd)](q, k, v, o, lse, cuu, scale * LOG2E, 1e-6, T, N, H, H, BM=tf[0], BN=tf[1], num_warps=tf[2], num_stages=tf[3], **common)
-    dl = lambda: NEW.bwd_delta_kernel[(cdiv(N * H, 128),)](o, do, delta, N * H, N, H, D=D, BD=D, BR=128, num_warps=4)
-    kv = lambda: NEW.attn_bwd_dkdv_kernel[(cdiv(ms, tkv[0]), H, nd)](q, k, v, do, lse, delta, dk, dv, cuu, scale * LOG2E, scale, T, N, H, H, BN=tkv[0], BM=tkv[1], num_warps=tkv[2], num_stages=tkv[3], **common)
-    dqf = lambda: NEW.attn_bwd_dq_kernel[(cdiv(ms, tq[0]), H, nd)](q, k, v, do, lse, delta, dq, cuu, scale * LOG2E, scale, T, N, H, H, BM=tq[0], BN=tq[1], num_warps=tq[2], num_stages=tq[3], **common)
-    return (f, dl, kv, dqf), (o, dq, dk, dv)
+
+def run_old(*args):
+    return launchers(OLD, False, *args)
+
+
+def run_new(*args):
+    return launchers(NEW, True, *args)
+
 
 def bench(fns):
     for fn in fns: fn()
@@ -72,9 +78,9 @@ for layout in ("dense", "varlen"):
     for mode_id, mode in enumerate(("softmax", "softpick", "rectified")):
         tile = lambda kern: tuple(shipped[f"{kern}/{mode}/d64/bfloat16/g1/{layout}/t4096"])
         tf, tkv, tq = tile("fwd"), tile("dkdv"), tile("dq")
-        fo, ro = run_old(mode_id, layout, tf, tkv, tq, cu, ms)
+        fo, ro = run_old(mode_id, tf, tkv, tq, cu, ms)
         t_old = bench(fo)
-        fn, rn = run_new(mode_id, layout, tf, tkv, tq, cu, ms)
+        fn, rn = run_new(mode_id, tf, tkv, tq, cu, ms)
         t_new = bench(fn)
         errs = [rel(a, b) for a, b in zip(rn, ro)]
         row = dict(layout=layout, mode=mode, tiles=[tf, tkv, tq], old_ms=t_old, new_ms=t_new, rel_err_vs_old=errs)
@@ -85,7 +91,7 @@ for layout in ("dense", "varlen"):
             for c in TL.candidates(kern, mode, 64):
                 try:
                     a = dict(tf=tf, tkv=tkv, tq=tq); a[{"fwd": "tf", "dkdv": "tkv", "dq": "tq"}[kern]] = tuple(c)
-                    fns, _ = run_new(mode_id, layout, a["tf"], a["tkv"], a["tq"], cu, ms)
+                    fns, _ = run_new(mode_id, a["tf"], a["tkv"], a["tq"], cu, ms)
                     idx = {"fwd": 0, "dkdv": 2, "dq": 3}[kern]
                     fns[0](); fns[1]()
                     res.append((tuple(c), do_bench(fns[idx], warmup=5, rep=60)))
