@@ -334,6 +334,9 @@ def test_plan_file_and_profile_roundtrip(costs, tmp_path):
     assert load(str(tmp_path / "prof.json")) == prof()
     with pytest.raises(ConfigError, match="nope.json"):
         Plan.load(str(tmp_path / "nope.json"))
+    # a directory given for the plan file was a traceback (IsADirectoryError)
+    with pytest.raises(ConfigError, match=re.escape(f"offload.plan={str(tmp_path)!r}: cannot read it (Is a directory)")):
+        Plan.load(str(tmp_path))
     with pytest.raises(ConfigError, match=r"offload.save_plan='/nonexistent_dir/p.json': cannot write it"):
         plan.save("/nonexistent_dir/p.json")
 

@@ -117,5 +117,7 @@ class Plan:
                 return Plan(**json.load(f))
         except FileNotFoundError:
             raise ConfigError(f"offload.plan={path!r}: file not found") from None
+        except OSError as e:  # a directory, a file this user may not read
+            raise ConfigError(f"offload.plan={path!r}: cannot read it ({e.strerror})") from None
         except (ValueError, TypeError) as e:
             raise ConfigError(f"offload.plan={path!r}: not a plan file ({e})") from None
