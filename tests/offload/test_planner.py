@@ -367,6 +367,28 @@ def test_a_replayed_plan_must_be_for_the_run_s_shape(costs):
                            "predicted step ") and "{" not in line
 
 
+def test_a_replayed_plan_refuses_the_planner_options_it_would_ignore(costs):
+    """`--offload.plan p.json` with `--offload.overrides`, `prefetch_depth`, `cpu_threads`,
+    `micro_batch_tokens` or the planner's choices (`checkpoint_offload`, ...) ran the plan as it was
+    and ignored them in silence. Options the plan already follows (the command that saved it) pass."""
+    plan = solve(costs, prof(), Dtypes(), 40 * GiB, 64 * GiB, 2, 1, 15, overrides=["weights[0-1]=host", "prefetch=2"])
+    same = Offload(overrides=["weights[0-1]=host", "prefetch=2"], prefetch_depth=2, cpu_threads=15,
+                   micro_batch_tokens=2 * plan.seq_len)
+    plan.check_options("p.json", same, redo=True)
+    for off, why in [
+            (Offload(overrides=["weights[0-1]=host", "weights[2]=host"]),
+             "does not follow offload.overrides entry 'weights[2]=host'"),
+            (Offload(overrides=["prefetch=3"]), "does not follow offload.overrides entry 'prefetch=3'"),
+            (Offload(prefetch_depth=3), "made for offload.prefetch_depth 2, the run has 3"),
+            (Offload(cpu_threads=4), "made for offload.cpu_threads 15, the run has 4"),
+            (Offload(micro_batch_tokens=plan.seq_len), f"made for offload.micro_batch_tokens {2 * plan.seq_len}, "
+                                                       f"the run has {plan.seq_len}"),
+            (Offload(checkpoint_offload=True), "made without offload.checkpoint_offload, the run has it on"),
+            (Offload(selective_recompute=False), "made with offload.selective_recompute, the run has it off")]:
+        with pytest.raises(ConfigError, match=re.escape("offload.plan='p.json': " + why)):
+            plan.check_options("p.json", off, redo=True)
+
+
 def test_overrides_and_spread(costs):
     plan = solve(costs, prof(), Dtypes(), 40 * GiB, 64 * GiB, 2, 1, 15, overrides=["weights[0-1]=host", "prefetch=2"])
     assert plan.layer_modes[:2] == ["stream", "stream"] and plan.prefetch_depth == 2

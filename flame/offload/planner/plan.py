@@ -95,8 +95,10 @@ class Plan:
             raise ConfigError(f"offload.plan={path!r}: made for {len(self.layer_modes)} blocks, the model has {blocks}")
 
     def check_options(self, path: str, off, redo: bool) -> None:
-        """A replayed plan runs with the dtypes and the CPU step it was made for: an `offload`
-        option asking for others would be ignored, so it is an error naming both. `redo`: whether
+        """A replayed plan runs with the dtypes, the CPU step and the decisions it was made with: an
+        `offload` option asking for others (dtypes, speculative step, prefetch depth, CPU threads,
+        micro-batch, the planner's choices, an override the plan does not follow) would be ignored,
+        so it is an error naming both. `redo`: whether
         this run may redo a speculative step (`speculative_redo`)."""
         for key in ("compute", "master", "grad", "moment"):
             if self.dtypes.get(key) != getattr(off, f"{key}_dtype"):
@@ -109,6 +111,28 @@ class Plan:
             raise ConfigError(f"offload.plan={path!r}: made for a run that "
                               f"{'may' if self.speculative_redo else 'can never'} redo a speculative step; this run "
                               f"{'may' if redo else 'can never'} (training.max_norm > 0 or training.skip_nan_inf: it may)")
+        # what the planner decides: given (not 0 / its default) they must be the plan's decisions
+        for name, planned in (("prefetch_depth", self.prefetch_depth), ("cpu_threads", self.cpu_threads),
+                              ("micro_batch_tokens", self.micro_batch * self.seq_len)):
+            if getattr(off, name) and getattr(off, name) != planned:
+                raise ConfigError(f"offload.plan={path!r}: made for offload.{name} {planned}, the run has "
+                                  f"{getattr(off, name)}")
+        for name in ("activation_offload", "selective_recompute", "checkpoint_offload"):
+            if getattr(off, name) != getattr(self, name):
+                raise ConfigError(f"offload.plan={path!r}: made {'with' if getattr(self, name) else 'without'} "
+                                  f"offload.{name}, the run has it {'on' if getattr(off, name) else 'off'}")
+        from flame.offload.planner.solver import _parse_overrides
+
+        for item in off.overrides:
+            ov = _parse_overrides([item], len(self.layer_modes))
+            modes, acts = ov["fixed"]["mode"], ov["fixed"]["act"]
+            if any(self.layer_modes[i] != m for i, m in modes.items()) or \
+                    any(self.layer_acts[i] != a for i, a in acts.items()) or \
+                    ov["glob"].get("prefetch", self.prefetch_depth) != self.prefetch_depth or \
+                    ov["glob"].get("outer", self.outer_mode) != self.outer_mode:
+                raise ConfigError(f"offload.plan={path!r}: does not follow offload.overrides entry {item!r} "
+                                  "(a replayed plan is run as it is; drop the entry or plan again without "
+                                  "offload.plan)")
 
     @staticmethod
     def load(path: str) -> "Plan":
