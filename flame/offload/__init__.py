@@ -79,6 +79,8 @@ def build_plan(model, job_config, device, world: int = 1, threads_from_profile: 
         # the calculator passes the config alone
         plan.check_blocks(off.plan, len(find_blocks(model if isinstance(model, torch.nn.Module)
                                                     else build_meta_model(model.config))[1]))
+        if off.save_plan:  # the plan this run replays, as it writes the plan it solves
+            plan.save(off.save_plan)
         return plan, None, None
     candidates = micro_batch_candidates(local, seq, off.micro_batch_tokens, bool(_get(job_config, "training.varlen", False)))
     cdt = getattr(torch, off.compute_dtype)

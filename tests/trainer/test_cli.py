@@ -309,3 +309,8 @@ def test_plan_replayed_for_another_block_count_is_an_error(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "made for 2 blocks, the model has 1" in err[0], err
     assert plan.main(["--model.config", TINY_LLAMA, *common, "--offload.plan", saved]) == 0
+    # --offload.save_plan beside a replayed plan was dropped in silence (no file written)
+    again = tmp_path / "again.json"
+    assert plan.main(["--model.config", TINY_LLAMA, *common, "--offload.plan", saved, "--offload.save_plan",
+                      str(again)]) == 0
+    assert json.loads(again.read_text()) == json.load(open(saved))
