@@ -535,6 +535,8 @@ def validate(cfg) -> None:
         raise ConfigError("profiling.enable_memory_snapshot with offload.enable on and training.compile: "
                           "torch's memory recorder crashed in the offload engine's recomputed compiled "
                           "blocks (torch 2.11); snapshot the run without training.compile")
+    # bad [offload] values are errors whether or not this run ends up planning (auto on CPU, off)
+    cfg.offload.validate()
     validate_lora(cfg)
 
 
