@@ -292,6 +292,9 @@ def _offload_decision(model: nn.Module, parallel_dims, job_config, device: torch
                         "(offload.enable on runs the engine here)", device.type, ", ".join(changed))
         return False, None
     if mode == "off":
+        changed = job_config.offload.changed_options()
+        if changed:  # budgets, dtypes, ... (a plan file or overrides are config errors): say so
+            logger.info("offload: enable=off; these have no effect: %s", ", ".join(changed))
         return False, None
     if mode == "auto":
         if _clearly_fits(model, parallel_dims, job_config, device):

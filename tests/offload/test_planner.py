@@ -1097,6 +1097,14 @@ def test_auto_on_cpu_says_which_offload_options_have_no_effect(caplog):
     lines = [r.getMessage() for r in caplog.records if r.name == "flame.offload"]
     assert len(lines) == 1 and "offload.speculative_step, offload.overrides" in lines[0]
     assert Offload(enable="on").changed_options() == []
+    # offload.enable off dropped them without a word
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="flame.offload"):
+        assert _offload_decision(None, None, job(enable="off", gpu_memory_gib=16.0), torch.device("cpu")) == \
+            (False, None)
+        assert _offload_decision(None, None, job(enable="off"), torch.device("cpu")) == (False, None)
+    lines = [r.getMessage() for r in caplog.records if r.name == "flame.offload"]
+    assert lines == ["offload: enable=off; these have no effect: offload.gpu_memory_gib"]
 
 
 def test_auto_offload_plans_once_and_the_engine_runs_that_plan(monkeypatch, tmp_path):

@@ -100,6 +100,9 @@ def test_defaults_keep_final_checkpoint_resumable():
         (["--offload.enable", "off", "--offload.cpu_threads", "-2"], "offload.cpu_threads=-2: expected an integer >= 0"),
         (["--offload.enable", "off", "--offload.master_dtype", "bfloat16"],
          "offload.moment_dtype='float32': must equal offload.master_dtype"),
+        # a plan file or overrides with offload off were dropped in silence (the run trained plain)
+        (["--offload.enable", "off", "--offload.plan", CONFIG, "--offload.overrides", "weights[*]=host"],
+         "offload.plan, offload.overrides set but offload.enable is off: add --offload.enable on"),
     ],
 )
 def test_bad_cli(args, fragment):
