@@ -76,9 +76,10 @@ def build_plan(model, job_config, device, world: int = 1, threads_from_profile: 
         from flame.models.blocks import find_blocks
         from flame.models.build import build_meta_model
 
-        # the calculator passes the config alone
-        plan.check_blocks(off.plan, len(find_blocks(model if isinstance(model, torch.nn.Module)
-                                                    else build_meta_model(model.config))[1]))
+        # the calculator passes the config alone; a LoRA base counts its frozen parameters, as the costs do
+        blocks = find_blocks(model if isinstance(model, torch.nn.Module) else build_meta_model(model.config))[1]
+        plan.check_blocks(off.plan, [sum(p.numel() for p in b.parameters() if not p.requires_grad)
+                                     or sum(p.numel() for p in b.parameters()) for b in blocks])
         if off.save_plan:  # the plan this run replays, as it writes the plan it solves
             plan.save(off.save_plan)
         return plan, None, None

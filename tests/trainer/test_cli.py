@@ -327,6 +327,12 @@ def test_plan_replayed_for_another_block_count_is_an_error(tmp_path, capsys):
     assert plan.main(["--model.config", str(fewer), *common, "--offload.plan", saved]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "made for 2 blocks, the model has 1" in err[0], err
+    # as many blocks of another size: replayed in silence on the other model before
+    wider = tmp_path / "wider.json"
+    wider.write_text(json.dumps(dict(json.load(open(TINY_LLAMA)), intermediate_size=256)))
+    assert plan.main(["--model.config", str(wider), *common, "--offload.plan", saved]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "made for another model (block 0 of " in err[0] and "model.config" in err[0], err
     assert plan.main(["--model.config", TINY_LLAMA, *common, "--offload.plan", saved]) == 0
     # --offload.save_plan beside a replayed plan was dropped in silence (no file written)
     again = tmp_path / "again.json"

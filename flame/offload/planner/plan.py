@@ -51,6 +51,9 @@ class Plan:
     checkpoint_offload: bool = False
     """Whether the solver could keep recomputed blocks' inputs in host memory (activation mode
     recompute_host; offload.checkpoint_offload); the calibration's re-solve keeps the same choice."""
+    layer_numel: list[int] = field(default_factory=list)
+    """Per block, the parameters of the model the plan was made for (a LoRA base's: the frozen
+    ones, without the adapters); a replayed plan must be for them. Empty: a file written before."""
 
     @property
     def offloads(self) -> bool:
@@ -89,10 +92,16 @@ class Plan:
                               f"step (micro-batch x rounds), the run has {step_sequences} (training.batch_size "
                               "x gradient_accumulation_steps)")
 
-    def check_blocks(self, path: str, blocks: int) -> None:
-        """A replayed plan places one mode per block: it must be for the model's number of blocks."""
-        if len(self.layer_modes) != blocks:
-            raise ConfigError(f"offload.plan={path!r}: made for {len(self.layer_modes)} blocks, the model has {blocks}")
+    def check_blocks(self, path: str, layer_numel: list[int]) -> None:
+        """A replayed plan places one mode per block, its memory and time for the blocks it was made
+        for: it must be for the model's number of blocks and their parameters (`layer_numel`)."""
+        if len(self.layer_modes) != len(layer_numel):
+            raise ConfigError(f"offload.plan={path!r}: made for {len(self.layer_modes)} blocks, the model has "
+                              f"{len(layer_numel)}")
+        for i, (planned, has) in enumerate(zip(self.layer_numel, layer_numel)):
+            if planned != has:
+                raise ConfigError(f"offload.plan={path!r}: made for another model (block {i} of {planned:,} "
+                                  f"parameters, the model's has {has:,}; model.config)")
 
     def check_options(self, path: str, off, redo: bool) -> None:
         """A replayed plan runs with the dtypes, the CPU step and the decisions it was made with: an

@@ -208,7 +208,8 @@ def solve(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, gpu_budget: int,
                                             selective_recompute=selective_recompute,
                                             speculative_step=speculative_step,
                                             speculative_redo=speculative_redo,
-                                            checkpoint_offload=checkpoint_offload)
+                                            checkpoint_offload=checkpoint_offload,
+                                            layer_numel=[u.frozen_numel or u.numel for u in costs.layers])
                                 best = (p.step_s, plan)
                             if lo == 0:
                                 break  # nothing recomputed: offloading more only adds copies
