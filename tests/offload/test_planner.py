@@ -270,6 +270,10 @@ def test_infeasible_says_what_is_missing(costs):
         solve(costs, prof(), Dtypes(), GiB // 2, 64 * GiB, 2, 1, 15)
     with pytest.raises(ConfigError, match=r"needs [\d.]+ GiB host, budget 0\.1"):
         solve(costs, prof(), Dtypes(), 3 * GiB, int(0.1 * GiB), 2, 1, 15)
+    # offload.enable off streams nothing: the line said "every block streamed and recomputed"
+    with pytest.raises(ConfigError, match=r"needs [\d.]+ GiB GPU, budget 0\.5 GiB \(offload.enable off: every block "
+                                          r"on the GPU, recomputed; --offload.gpu_memory_gib\)"):
+        solve(costs, prof(), Dtypes(), GiB // 2, 64 * GiB, 2, 1, 15, allow_offload=False)
 
 
 def test_a_host_too_small_for_fp32_states_names_the_bf16_options_that_fit(costs):

@@ -217,8 +217,10 @@ def solve(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, gpu_budget: int,
                             break  # more accumulators only need more
     if best is None:
         if min_gpu is None or min_gpu > gpu_budget:
+            least = "every block streamed and recomputed" if allow_offload else \
+                "offload.enable off: every block on the GPU, recomputed"
             raise ConfigError(f"offload: needs {min_gpu / GiB:.1f} GiB GPU, budget {gpu_budget / GiB:.1f} GiB "
-                              f"(every block streamed and recomputed; --offload.gpu_memory_gib)")
+                              f"({least}; --offload.gpu_memory_gib)")
         raise HostShortfall(f"offload: needs {min_host / GiB:.1f} GiB host, budget {host_budget / GiB:.1f} GiB "
                             "(--offload.host_memory_gib; 0: the memory available now less --offload.host_margin_gib)")
     plan = best[1]
