@@ -621,6 +621,9 @@ def test_step_calibration_refits_writes_and_reuses_the_plan(tmp_path, monkeypatc
     for change in (dict(speculative_step=True), dict(checkpoint_offload=True), dict(selective_recompute=False),
                    dict(activation_offload=True)):
         assert cal.calibrated_plan_for(str(tmp_path), dataclasses.replace(plan, **change), []) is None, change
+    # a launch of another model with as many blocks (the same dump folder): its plan was used before
+    other = dataclasses.replace(plan, layer_numel=[n + 1 for n in plan.layer_numel])
+    assert cal.calibrated_plan_for(str(tmp_path), other, []) is None
     assert cal.calibrated_plan_for(str(tmp_path), dataclasses.replace(plan, speculative_redo=False), []) is not None
 
 
