@@ -535,6 +535,14 @@ def validate(cfg) -> None:
         raise ConfigError("profiling.enable_memory_snapshot with offload.enable on and training.compile: "
                           "torch's memory recorder crashed in the offload engine's recomputed compiled "
                           "blocks (torch 2.11); snapshot the run without training.compile")
+    # bad [offload] values are errors whether or not this run ends up planning (auto on CPU, off)
+    cfg.offload.validate()
+    if cfg.offload.enable == "off":
+        # a plan to replay or placements to force, given with offload off, would be dropped without a word
+        given = [o for o in cfg.offload.changed_options() if o in ("offload.plan", "offload.overrides")]
+        if given:
+            raise ConfigError(f"{', '.join(given)} set but offload.enable is off: add --offload.enable on "
+                              "(or drop the option)")
     validate_lora(cfg)
 
 

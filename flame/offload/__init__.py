@@ -76,9 +76,12 @@ def build_plan(model, job_config, device, world: int = 1, threads_from_profile: 
         from flame.models.blocks import find_blocks
         from flame.models.build import build_meta_model
 
-        # the calculator passes the config alone
-        plan.check_blocks(off.plan, len(find_blocks(model if isinstance(model, torch.nn.Module)
-                                                    else build_meta_model(model.config))[1]))
+        # the calculator passes the config alone; a LoRA base counts its frozen parameters, as the costs do
+        blocks = find_blocks(model if isinstance(model, torch.nn.Module) else build_meta_model(model.config))[1]
+        plan.check_blocks(off.plan, [sum(p.numel() for p in b.parameters() if not p.requires_grad)
+                                     or sum(p.numel() for p in b.parameters()) for b in blocks])
+        if off.save_plan:  # the plan this run replays, as it writes the plan it solves
+            plan.save(off.save_plan)
         return plan, None, None
     candidates = micro_batch_candidates(local, seq, off.micro_batch_tokens, bool(_get(job_config, "training.varlen", False)))
     cdt = getattr(torch, off.compute_dtype)
@@ -290,6 +293,9 @@ def _offload_decision(model: nn.Module, parallel_dims, job_config, device: torch
                         "(offload.enable on runs the engine here)", device.type, ", ".join(changed))
         return False, None
     if mode == "off":
+        changed = job_config.offload.changed_options()
+        if changed:  # budgets, dtypes, ... (a plan file or overrides are config errors): say so
+            logger.info("offload: enable=off; these have no effect: %s", ", ".join(changed))
         return False, None
     if mode == "auto":
         if _clearly_fits(model, parallel_dims, job_config, device):

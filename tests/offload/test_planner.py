@@ -270,6 +270,10 @@ def test_infeasible_says_what_is_missing(costs):
         solve(costs, prof(), Dtypes(), GiB // 2, 64 * GiB, 2, 1, 15)
     with pytest.raises(ConfigError, match=r"needs [\d.]+ GiB host, budget 0\.1"):
         solve(costs, prof(), Dtypes(), 3 * GiB, int(0.1 * GiB), 2, 1, 15)
+    # offload.enable off streams nothing: the line said "every block streamed and recomputed"
+    with pytest.raises(ConfigError, match=r"needs [\d.]+ GiB GPU, budget 0\.5 GiB \(offload.enable off: every block "
+                                          r"on the GPU, recomputed; --offload.gpu_memory_gib\)"):
+        solve(costs, prof(), Dtypes(), GiB // 2, 64 * GiB, 2, 1, 15, allow_offload=False)
 
 
 def test_a_host_too_small_for_fp32_states_names_the_bf16_options_that_fit(costs):
@@ -334,6 +338,9 @@ def test_plan_file_and_profile_roundtrip(costs, tmp_path):
     assert load(str(tmp_path / "prof.json")) == prof()
     with pytest.raises(ConfigError, match="nope.json"):
         Plan.load(str(tmp_path / "nope.json"))
+    # a directory given for the plan file was a traceback (IsADirectoryError)
+    with pytest.raises(ConfigError, match=re.escape(f"offload.plan={str(tmp_path)!r}: cannot read it (Is a directory)")):
+        Plan.load(str(tmp_path))
     with pytest.raises(ConfigError, match=r"offload.save_plan='/nonexistent_dir/p.json': cannot write it"):
         plan.save("/nonexistent_dir/p.json")
 
@@ -362,6 +369,28 @@ def test_a_replayed_plan_must_be_for_the_run_s_shape(costs):
     line = plan.summary()
     assert line.startswith(f"{len(plan.layer_modes)} blocks, micro-batch 2x{plan.seq_len}, 1 round(s)/step, "
                            "predicted step ") and "{" not in line
+
+
+def test_a_replayed_plan_refuses_the_planner_options_it_would_ignore(costs):
+    """`--offload.plan p.json` with `--offload.overrides`, `prefetch_depth`, `cpu_threads`,
+    `micro_batch_tokens` or the planner's choices (`checkpoint_offload`, ...) ran the plan as it was
+    and ignored them in silence. Options the plan already follows (the command that saved it) pass."""
+    plan = solve(costs, prof(), Dtypes(), 40 * GiB, 64 * GiB, 2, 1, 15, overrides=["weights[0-1]=host", "prefetch=2"])
+    same = Offload(overrides=["weights[0-1]=host", "prefetch=2"], prefetch_depth=2, cpu_threads=15,
+                   micro_batch_tokens=2 * plan.seq_len)
+    plan.check_options("p.json", same, redo=True)
+    for off, why in [
+            (Offload(overrides=["weights[0-1]=host", "weights[2]=host"]),
+             "does not follow offload.overrides entry 'weights[2]=host'"),
+            (Offload(overrides=["prefetch=3"]), "does not follow offload.overrides entry 'prefetch=3'"),
+            (Offload(prefetch_depth=3), "made for offload.prefetch_depth 2, the run has 3"),
+            (Offload(cpu_threads=4), "made for offload.cpu_threads 15, the run has 4"),
+            (Offload(micro_batch_tokens=plan.seq_len), f"made for offload.micro_batch_tokens {2 * plan.seq_len}, "
+                                                       f"the run has {plan.seq_len}"),
+            (Offload(checkpoint_offload=True), "made without offload.checkpoint_offload, the run has it on"),
+            (Offload(selective_recompute=False), "made with offload.selective_recompute, the run has it off")]:
+        with pytest.raises(ConfigError, match=re.escape("offload.plan='p.json': " + why)):
+            plan.check_options("p.json", off, redo=True)
 
 
 def test_overrides_and_spread(costs):
@@ -592,6 +621,9 @@ def test_step_calibration_refits_writes_and_reuses_the_plan(tmp_path, monkeypatc
     for change in (dict(speculative_step=True), dict(checkpoint_offload=True), dict(selective_recompute=False),
                    dict(activation_offload=True)):
         assert cal.calibrated_plan_for(str(tmp_path), dataclasses.replace(plan, **change), []) is None, change
+    # a launch of another model with as many blocks (the same dump folder): its plan was used before
+    other = dataclasses.replace(plan, layer_numel=[n + 1 for n in plan.layer_numel])
+    assert cal.calibrated_plan_for(str(tmp_path), other, []) is None
     assert cal.calibrated_plan_for(str(tmp_path), dataclasses.replace(plan, speculative_redo=False), []) is not None
 
 
@@ -1072,6 +1104,14 @@ def test_auto_on_cpu_says_which_offload_options_have_no_effect(caplog):
     lines = [r.getMessage() for r in caplog.records if r.name == "flame.offload"]
     assert len(lines) == 1 and "offload.speculative_step, offload.overrides" in lines[0]
     assert Offload(enable="on").changed_options() == []
+    # offload.enable off dropped them without a word
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="flame.offload"):
+        assert _offload_decision(None, None, job(enable="off", gpu_memory_gib=16.0), torch.device("cpu")) == \
+            (False, None)
+        assert _offload_decision(None, None, job(enable="off"), torch.device("cpu")) == (False, None)
+    lines = [r.getMessage() for r in caplog.records if r.name == "flame.offload"]
+    assert lines == ["offload: enable=off; these have no effect: offload.gpu_memory_gib"]
 
 
 def test_auto_offload_plans_once_and_the_engine_runs_that_plan(monkeypatch, tmp_path):

@@ -226,6 +226,25 @@ def test_plan_without_gpu_uses_the_bundled_profile(tmp_path, capsys):
     assert "offload plan:" in out
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the docs' output is the one of a machine without a GPU")
+def test_the_docs_calculator_example_prints_what_the_docs_show(tmp_path, monkeypatch, capsys):
+    """docs/offload.md's LoRA example (`$ python -m flame.offload.plan ...` and its output): the
+    docs showed an older output (no reserved peak, no `recomputed with inputs on the host`)."""
+    import re
+    import shlex
+
+    from flame.offload import calculator as plan
+
+    text = open(os.path.join(ROOT, "docs/offload.md")).read()
+    block = re.search(r"```\n\$ (python -m flame.offload.plan .*?)```", text, re.S).group(1)
+    lines = block.replace("\\\n", " ").splitlines()
+    args = shlex.split(lines[0])[3:]
+    monkeypatch.chdir(ROOT)  # the command's relative paths, as the docs run it from the checkout
+    assert plan.main(args + ["--job.dump_folder", str(tmp_path)]) == 0
+    out = capsys.readouterr().out.replace(ROOT, "<repo>")
+    assert out.splitlines() == lines[1:]
+
+
 def test_plan_help_shows_the_job_it_plans(capsys):
     """``python -m flame.offload.plan --help`` shows the values of the job it would plan: train.sh's
     default tiny job (not fla.toml underneath it), with the command line's options on top."""
@@ -308,4 +327,15 @@ def test_plan_replayed_for_another_block_count_is_an_error(tmp_path, capsys):
     assert plan.main(["--model.config", str(fewer), *common, "--offload.plan", saved]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "made for 2 blocks, the model has 1" in err[0], err
+    # as many blocks of another size: replayed in silence on the other model before
+    wider = tmp_path / "wider.json"
+    wider.write_text(json.dumps(dict(json.load(open(TINY_LLAMA)), intermediate_size=256)))
+    assert plan.main(["--model.config", str(wider), *common, "--offload.plan", saved]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "made for another model (block 0 of " in err[0] and "model.config" in err[0], err
     assert plan.main(["--model.config", TINY_LLAMA, *common, "--offload.plan", saved]) == 0
+    # --offload.save_plan beside a replayed plan was dropped in silence (no file written)
+    again = tmp_path / "again.json"
+    assert plan.main(["--model.config", TINY_LLAMA, *common, "--offload.plan", saved, "--offload.save_plan",
+                      str(again)]) == 0
+    assert json.loads(again.read_text()) == json.load(open(saved))

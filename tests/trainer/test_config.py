@@ -95,6 +95,14 @@ def test_defaults_keep_final_checkpoint_resumable():
         (["--validation.seq_len", "0"], "validation.seq_len 0: must be >= 2"),
         (["--training.num_workers", "0", "--training.persistent_workers"], "training.persistent_workers needs"),
         (["--training.streaming", "--training.shuffle_buffer_size", "0"], "training.shuffle_buffer_size 0: must be >= 1"),
+        # [offload] values were checked only when the planner ran: auto on CPU or off trained on
+        (["--offload.gpu_memory_gib", "-5"], "offload.gpu_memory_gib=-5.0: expected a number >= 0"),
+        (["--offload.enable", "off", "--offload.cpu_threads", "-2"], "offload.cpu_threads=-2: expected an integer >= 0"),
+        (["--offload.enable", "off", "--offload.master_dtype", "bfloat16"],
+         "offload.moment_dtype='float32': must equal offload.master_dtype"),
+        # a plan file or overrides with offload off were dropped in silence (the run trained plain)
+        (["--offload.enable", "off", "--offload.plan", CONFIG, "--offload.overrides", "weights[*]=host"],
+         "offload.plan, offload.overrides set but offload.enable is off: add --offload.enable on"),
     ],
 )
 def test_bad_cli(args, fragment):

@@ -51,6 +51,9 @@ class Plan:
     checkpoint_offload: bool = False
     """Whether the solver could keep recomputed blocks' inputs in host memory (activation mode
     recompute_host; offload.checkpoint_offload); the calibration's re-solve keeps the same choice."""
+    layer_numel: list[int] = field(default_factory=list)
+    """Per block, the parameters of the model the plan was made for (a LoRA base's: the frozen
+    ones, without the adapters); a replayed plan must be for them. Empty: a file written before."""
 
     @property
     def offloads(self) -> bool:
@@ -89,14 +92,22 @@ class Plan:
                               f"step (micro-batch x rounds), the run has {step_sequences} (training.batch_size "
                               "x gradient_accumulation_steps)")
 
-    def check_blocks(self, path: str, blocks: int) -> None:
-        """A replayed plan places one mode per block: it must be for the model's number of blocks."""
-        if len(self.layer_modes) != blocks:
-            raise ConfigError(f"offload.plan={path!r}: made for {len(self.layer_modes)} blocks, the model has {blocks}")
+    def check_blocks(self, path: str, layer_numel: list[int]) -> None:
+        """A replayed plan places one mode per block, its memory and time for the blocks it was made
+        for: it must be for the model's number of blocks and their parameters (`layer_numel`)."""
+        if len(self.layer_modes) != len(layer_numel):
+            raise ConfigError(f"offload.plan={path!r}: made for {len(self.layer_modes)} blocks, the model has "
+                              f"{len(layer_numel)}")
+        for i, (planned, has) in enumerate(zip(self.layer_numel, layer_numel)):
+            if planned != has:
+                raise ConfigError(f"offload.plan={path!r}: made for another model (block {i} of {planned:,} "
+                                  f"parameters, the model's has {has:,}; model.config)")
 
     def check_options(self, path: str, off, redo: bool) -> None:
-        """A replayed plan runs with the dtypes and the CPU step it was made for: an `offload`
-        option asking for others would be ignored, so it is an error naming both. `redo`: whether
+        """A replayed plan runs with the dtypes, the CPU step and the decisions it was made with: an
+        `offload` option asking for others (dtypes, speculative step, prefetch depth, CPU threads,
+        micro-batch, the planner's choices, an override the plan does not follow) would be ignored,
+        so it is an error naming both. `redo`: whether
         this run may redo a speculative step (`speculative_redo`)."""
         for key in ("compute", "master", "grad", "moment"):
             if self.dtypes.get(key) != getattr(off, f"{key}_dtype"):
@@ -109,6 +120,28 @@ class Plan:
             raise ConfigError(f"offload.plan={path!r}: made for a run that "
                               f"{'may' if self.speculative_redo else 'can never'} redo a speculative step; this run "
                               f"{'may' if redo else 'can never'} (training.max_norm > 0 or training.skip_nan_inf: it may)")
+        # what the planner decides: given (not 0 / its default) they must be the plan's decisions
+        for name, planned in (("prefetch_depth", self.prefetch_depth), ("cpu_threads", self.cpu_threads),
+                              ("micro_batch_tokens", self.micro_batch * self.seq_len)):
+            if getattr(off, name) and getattr(off, name) != planned:
+                raise ConfigError(f"offload.plan={path!r}: made for offload.{name} {planned}, the run has "
+                                  f"{getattr(off, name)}")
+        for name in ("activation_offload", "selective_recompute", "checkpoint_offload"):
+            if getattr(off, name) != getattr(self, name):
+                raise ConfigError(f"offload.plan={path!r}: made {'with' if getattr(self, name) else 'without'} "
+                                  f"offload.{name}, the run has it {'on' if getattr(off, name) else 'off'}")
+        from flame.offload.planner.solver import _parse_overrides
+
+        for item in off.overrides:
+            ov = _parse_overrides([item], len(self.layer_modes))
+            modes, acts = ov["fixed"]["mode"], ov["fixed"]["act"]
+            if any(self.layer_modes[i] != m for i, m in modes.items()) or \
+                    any(self.layer_acts[i] != a for i, a in acts.items()) or \
+                    ov["glob"].get("prefetch", self.prefetch_depth) != self.prefetch_depth or \
+                    ov["glob"].get("outer", self.outer_mode) != self.outer_mode:
+                raise ConfigError(f"offload.plan={path!r}: does not follow offload.overrides entry {item!r} "
+                                  "(a replayed plan is run as it is; drop the entry or plan again without "
+                                  "offload.plan)")
 
     @staticmethod
     def load(path: str) -> "Plan":
@@ -117,5 +150,7 @@ class Plan:
                 return Plan(**json.load(f))
         except FileNotFoundError:
             raise ConfigError(f"offload.plan={path!r}: file not found") from None
+        except OSError as e:  # a directory, a file this user may not read
+            raise ConfigError(f"offload.plan={path!r}: cannot read it ({e.strerror})") from None
         except (ValueError, TypeError) as e:
             raise ConfigError(f"offload.plan={path!r}: not a plan file ({e})") from None

@@ -101,7 +101,7 @@ def same_decisions(a: Plan, b: Plan) -> bool:
 
 def calibrated_plan_for(dump_folder: str, reference: Plan, overrides) -> Plan | None:
     """The plan a calibration of an earlier launch wrote, if it was made for what `reference`
-    (this launch's plan) was made for (dtypes, micro-batch, rounds, ranks, CPU threads, blocks,
+    (this launch's plan) was made for (dtypes, micro-batch, rounds, ranks, CPU threads, blocks and their parameters,
     overrides, the solver's options and the speculative step's kind) and its predicted peaks fit
     this launch's budgets. None otherwise (the fresh plan is used)."""
     path = os.path.join(dump_folder, CALIBRATED_PLAN)
@@ -110,7 +110,7 @@ def calibrated_plan_for(dump_folder: str, reference: Plan, overrides) -> Plan | 
     plan = Plan.load(path)
     # a resumed launch may change the offload options or clipping: the engine executes the plan's
     key = ("dtypes", "micro_batch", "seq_len", "rounds", "world", "node_ranks", "cpu_threads", "activation_offload",
-           "selective_recompute", "speculative_step", "checkpoint_offload")
+           "selective_recompute", "speculative_step", "checkpoint_offload", "layer_numel")
     # budgets: the default host budget follows the free memory of the moment, so the plan only
     # has to fit this launch's budgets
     if any(getattr(plan, k) != getattr(reference, k) for k in key) or \

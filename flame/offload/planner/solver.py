@@ -208,7 +208,8 @@ def solve(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, gpu_budget: int,
                                             selective_recompute=selective_recompute,
                                             speculative_step=speculative_step,
                                             speculative_redo=speculative_redo,
-                                            checkpoint_offload=checkpoint_offload)
+                                            checkpoint_offload=checkpoint_offload,
+                                            layer_numel=[u.frozen_numel or u.numel for u in costs.layers])
                                 best = (p.step_s, plan)
                             if lo == 0:
                                 break  # nothing recomputed: offloading more only adds copies
@@ -216,8 +217,10 @@ def solve(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, gpu_budget: int,
                             break  # more accumulators only need more
     if best is None:
         if min_gpu is None or min_gpu > gpu_budget:
+            least = "every block streamed and recomputed" if allow_offload else \
+                "offload.enable off: every block on the GPU, recomputed"
             raise ConfigError(f"offload: needs {min_gpu / GiB:.1f} GiB GPU, budget {gpu_budget / GiB:.1f} GiB "
-                              f"(every block streamed and recomputed; --offload.gpu_memory_gib)")
+                              f"({least}; --offload.gpu_memory_gib)")
         raise HostShortfall(f"offload: needs {min_host / GiB:.1f} GiB host, budget {host_budget / GiB:.1f} GiB "
                             "(--offload.host_memory_gib; 0: the memory available now less --offload.host_margin_gib)")
     plan = best[1]
