@@ -475,8 +475,12 @@ def validate(cfg) -> None:
             raise ConfigError(f"validation.{name} {value}: must be >= {least} (unset: the training value)")
     if not v.enable:
         # validation options given without the switch would be ignored without a word
-        given = [f"validation.{name}" for name in ("dataset", "interval", "local_batch_size", "seq_len")
-                 if getattr(v, name, None) is not None]
+        defaults = type(v)()
+        given = [f"validation.{name}" for name in ("dataset", "interval", "local_batch_size", "seq_len", "freq",
+                                                    "steps", "holdout_fraction")
+                 if getattr(v, name) != getattr(defaults, name)]
+        if "validation.interval" in given:  # its alias freq carries the same value
+            given.remove("validation.freq")
         if given:
             raise ConfigError(f"{', '.join(given)} set but validation is off: add --validation.enable "
                               "(or drop the option)")

@@ -171,3 +171,17 @@ def test_boolean_flags_of_sections_with_string_annotations():
     assert cfg.offload.activation_offload is True and cfg.offload.calibrate is False
     assert cfg.offload.gpu_memory_gib == 6
     assert parse().offload.activation_offload is False
+
+
+@pytest.mark.parametrize("extra, named", [
+    (["--validation.freq", "5"], "validation.freq"),
+    (["--validation.steps", "3"], "validation.steps"),
+    (["--validation.interval", "5"], "validation.interval"),
+    (["--validation.holdout_fraction", "0.1"], "validation.holdout_fraction"),
+])
+def test_validation_option_without_enable_is_an_error(extra, named):
+    """--validation.freq/steps (the spellings docs/data.md shows) without --validation.enable used to
+    be ignored without a word, while validation.interval, their alias, was an error."""
+    with pytest.raises(ConfigError) as e:
+        parse(*extra)
+    assert str(e.value) == f"{named} set but validation is off: add --validation.enable (or drop the option)"
