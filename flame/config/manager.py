@@ -283,6 +283,9 @@ class FlameConfigManager(ConfigManager):
         for key in data:
             if key not in names:
                 full = f"{prefix}{key}"
+                if isinstance(data[key], dict):  # a misspelled [section]: the closest section, not a key in one
+                    tables = sorted(f"{prefix}{n}" for n, f in names.items() if is_dataclass(hints.get(n, f.type)))
+                    raise ConfigError(f"unknown TOML table '[{full}]'{_closest(full, tables)}")
                 raise ConfigError(f"unknown TOML key '{full}'{_closest(full, sorted(self.valid))}")
         kwargs = {}
         for name, value in data.items():

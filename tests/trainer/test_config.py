@@ -108,6 +108,10 @@ def test_bad_toml(tmp_path):
     bad.write_text('[training]\nbatchsize = 3\n')
     with pytest.raises(ConfigError, match="unknown TOML key 'training.batchsize'; did you mean 'training.batch_size'"):
         FlameConfigManager().parse_args(["--job.config_file", str(bad), "--model.config", CONFIG])
+    section = tmp_path / "section.toml"  # a misspelled table used to get "did you mean 'training.sft'?"
+    section.write_text('[trainig]\nsteps = 3\n')
+    with pytest.raises(ConfigError, match=r"^unknown TOML table '\[trainig\]'; did you mean 'training'\?$"):
+        FlameConfigManager().parse_args(["--job.config_file", str(section), "--model.config", CONFIG])
     broken = tmp_path / "broken.toml"
     broken.write_text("[training\n")
     with pytest.raises(ConfigError, match="broken.toml"):
