@@ -309,3 +309,15 @@ def test_plan_replayed_for_another_block_count_is_an_error(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "made for 2 blocks, the model has 1" in err[0], err
     assert plan.main(["--model.config", TINY_LLAMA, *common, "--offload.plan", saved]) == 0
+
+
+def test_help_describes_validation_steps_as_flame_reads_it(capsys):
+    """--help used to show torchtitan's text ('-1 means consuming all the data in the validation
+    dataset WARNING: ... hangs'), while flame evaluates one batch at -1 (docs/data.md)."""
+    with pytest.raises(SystemExit):
+        parse("--help")
+    lines = capsys.readouterr().out.splitlines()
+    i = next(i for i, line in enumerate(lines) if line.startswith("  --validation.steps "))
+    assert lines[i].split() == ["--validation.steps", "INT", "[-1]"]
+    assert lines[i + 1].strip().startswith("Validation batches per evaluation; -1 (the default): one batch")
+    assert "consuming all" not in lines[i + 1] + lines[i + 2]
