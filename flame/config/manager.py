@@ -503,6 +503,14 @@ def validate(cfg) -> None:
         from flame.components.muon import check_muon_options
 
         check_muon_options(cfg)
+    else:
+        # Muon's options given with another optimizer would be ignored without a word
+        defaults = type(cfg.optimizer)()
+        changed = [f"optimizer.{name}" for name in ("muon_lr", "muon_momentum", "muon_adjust_lr")
+                   if getattr(cfg.optimizer, name) != getattr(defaults, name)]
+        if changed:
+            raise ConfigError(f"{', '.join(changed)} given with optimizer.name {cfg.optimizer.name}: "
+                              "Muon's options apply with --optimizer.name Muon only")
     if cfg.checkpoint.keep_latest_k < 0:
         raise ConfigError(f"checkpoint.keep_latest_k {cfg.checkpoint.keep_latest_k}: must be >= 0")
     if cfg.checkpoint.hf_upload_enabled and not cfg.checkpoint.hf_repo_base_name:

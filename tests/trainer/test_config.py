@@ -189,3 +189,16 @@ def test_validation_option_without_enable_is_an_error(extra, named):
     with pytest.raises(ConfigError) as e:
         parse(*extra)
     assert str(e.value) == f"{named} set but validation is off: add --validation.enable (or drop the option)"
+
+
+@pytest.mark.parametrize("extra, named", [
+    (["--optimizer.muon_lr", "0.02"], "optimizer.muon_lr given with optimizer.name AdamW"),
+    (["--optimizer.name", "Adam", "--optimizer.muon_momentum", "0.9", "--optimizer.muon_adjust_lr", "original"],
+     "optimizer.muon_momentum, optimizer.muon_adjust_lr given with optimizer.name Adam"),
+])
+def test_muon_options_without_muon_are_an_error(extra, named):
+    """--optimizer.muon_lr with AdamW used to train AdamW and ignore it without a word."""
+    with pytest.raises(ConfigError) as e:
+        parse(*extra)
+    assert str(e.value) == f"{named}: Muon's options apply with --optimizer.name Muon only"
+    assert parse("--optimizer.name", "Muon", *extra[-2:]).optimizer.name == "Muon"
