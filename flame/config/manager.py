@@ -524,6 +524,14 @@ def validate(cfg) -> None:
                           "an async save may still be writing the newest checkpoint; keep at least 2")
     if cfg.checkpoint.enable and cfg.checkpoint.interval < 1:
         raise ConfigError(f"checkpoint.interval {cfg.checkpoint.interval}: must be >= 1")
+    if not cfg.checkpoint.enable:
+        # with checkpointing off nothing is loaded: the run would start from scratch without a word
+        loads = [f"checkpoint.{name} {value}" for name, value in (
+            ("initial_load_path", cfg.checkpoint.initial_load_path), ("load_step", cfg.checkpoint.load_step))
+            if value not in (None, "", -1)]
+        if loads:
+            raise ConfigError(f"{', '.join(loads)} with checkpointing off (checkpoint.enable false): nothing "
+                              "would be loaded; drop --checkpoint.no-enable")
     if cfg.metrics.log_freq < 1:
         raise ConfigError(f"metrics.log_freq {cfg.metrics.log_freq}: must be >= 1")
     for option, package in (("enable_wandb", "wandb"), ("enable_tensorboard", "tensorboard")):

@@ -80,7 +80,7 @@ def test_a_leading_tilde_is_the_home_folder_in_every_path_option(tmp_path, monke
     toml.write_text('[model]\nconfig = "~/model.json"\ntokenizer_path = "~/tok"\n'
                     '[training]\ndataset = "~/corpus"\n[job]\ndump_folder = "~/runs/a"\n')
     cfg = parse("--job.config_file", str(toml), "--offload.save_plan", "~/plan.json",
-                "--checkpoint.initial_load_path", "~/tok")
+                "--checkpoint.enable", "--checkpoint.initial_load_path", "~/tok")
     assert (cfg.model.config, cfg.model.tokenizer_path) == (str(home / "model.json"), str(home / "tok"))
     assert (cfg.training.dataset, cfg.job.dump_folder) == (str(home / "corpus"), str(home / "runs/a"))
     assert (cfg.offload.save_plan, cfg.checkpoint.initial_load_path) == (str(home / "plan.json"), str(home / "tok"))

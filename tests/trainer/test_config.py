@@ -202,3 +202,16 @@ def test_muon_options_without_muon_are_an_error(extra, named):
         parse(*extra)
     assert str(e.value) == f"{named}: Muon's options apply with --optimizer.name Muon only"
     assert parse("--optimizer.name", "Muon", *extra[-2:]).optimizer.name == "Muon"
+
+
+@pytest.mark.parametrize("extra, named", [
+    (["--checkpoint.initial_load_path", CORPUS], f"checkpoint.initial_load_path {CORPUS}"),
+    (["--checkpoint.load_step", "20"], "checkpoint.load_step 20"),
+])
+def test_checkpoint_loads_with_checkpointing_off_are_an_error(extra, named):
+    """--checkpoint.no-enable --checkpoint.initial_load_path X used to train from scratch (loss 9.03
+    at step 1 of the default job) without loading X or saying so."""
+    with pytest.raises(ConfigError) as e:
+        parse("--checkpoint.no-enable", *extra)
+    assert str(e.value) == (f"{named} with checkpointing off (checkpoint.enable false): nothing would be "
+                            "loaded; drop --checkpoint.no-enable")
