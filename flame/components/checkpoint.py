@@ -445,17 +445,21 @@ class FlameCheckpointManager(CheckpointManager):
                 self._warn(f"checkpoint: {checkpoint_id} holds no LoRA adapters; {len(fresh)} adapter tensors "
                            "keep their initialization")
                 state_dict = {k: v for k, v in state_dict.items() if k not in fresh}
-        asked = set(state_dict)
-        super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
         if not from_hf:
             # DCP loads the keys asked for and ignores the rest: a model with fewer tensors than the
-            # checkpoint (fewer layers, no LoRA adapters) would drop some of its weights silently
+            # checkpoint (fewer layers, no LoRA adapters) would drop some of its weights silently.
+            # Checked before the load, whose errors (the optimizer state of other parameters) would
+            # name a consequence instead
+            from flame.lora import is_adapter_key
+
             saved = saved if saved is not None else saved_keys(checkpoint_id)
-            extra = [k for k in saved_model_keys(saved) if k not in asked]
+            extra = [k for k in saved_model_keys(saved) if k not in state_dict]
             if extra:
+                hint = ("a LoRA run's adapters: resume with its lora.rank" if is_adapter_key(extra[0])
+                        else "resuming with another model config?")
                 raise ConfigError(f"checkpoint {checkpoint_id} does not fit this run: tensor {extra[0]} of the "
-                                  f"checkpoint is not in this model ({len(extra)} such; resuming with another "
-                                  "model config?)")
+                                  f"checkpoint is not in this model ({len(extra)} such; {hint})")
+        super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
 
     @staticmethod
     def _guarded(fn, where: str):

@@ -247,6 +247,10 @@ class Validation:
     interval: int | None = None
     """Validate every this many steps (alias of ``validation.freq``)."""
 
+    steps: int = -1
+    """Validation batches per evaluation; -1 (the default): one batch (flame never reads a whole
+    validation set)."""
+
     local_batch_size: int | None = None
     """Sequences per device per validation batch; default: the training batch size."""
 

@@ -283,6 +283,9 @@ class FlameConfigManager(ConfigManager):
         for key in data:
             if key not in names:
                 full = f"{prefix}{key}"
+                if isinstance(data[key], dict):  # a misspelled [section]: the closest section, not a key in one
+                    tables = sorted(f"{prefix}{n}" for n, f in names.items() if is_dataclass(hints.get(n, f.type)))
+                    raise ConfigError(f"unknown TOML table '[{full}]'{_closest(full, tables)}")
                 raise ConfigError(f"unknown TOML key '{full}'{_closest(full, sorted(self.valid))}")
         kwargs = {}
         for name, value in data.items():
@@ -475,8 +478,12 @@ def validate(cfg) -> None:
             raise ConfigError(f"validation.{name} {value}: must be >= {least} (unset: the training value)")
     if not v.enable:
         # validation options given without the switch would be ignored without a word
-        given = [f"validation.{name}" for name in ("dataset", "interval", "local_batch_size", "seq_len")
-                 if getattr(v, name, None) is not None]
+        defaults = type(v)()
+        given = [f"validation.{name}" for name in ("dataset", "interval", "local_batch_size", "seq_len", "freq",
+                                                    "steps", "holdout_fraction")
+                 if getattr(v, name) != getattr(defaults, name)]
+        if "validation.interval" in given:  # its alias freq carries the same value
+            given.remove("validation.freq")
         if given:
             raise ConfigError(f"{', '.join(given)} set but validation is off: add --validation.enable "
                               "(or drop the option)")
@@ -496,6 +503,14 @@ def validate(cfg) -> None:
         from flame.components.muon import check_muon_options
 
         check_muon_options(cfg)
+    else:
+        # Muon's options given with another optimizer would be ignored without a word
+        defaults = type(cfg.optimizer)()
+        changed = [f"optimizer.{name}" for name in ("muon_lr", "muon_momentum", "muon_adjust_lr")
+                   if getattr(cfg.optimizer, name) != getattr(defaults, name)]
+        if changed:
+            raise ConfigError(f"{', '.join(changed)} given with optimizer.name {cfg.optimizer.name}: "
+                              "Muon's options apply with --optimizer.name Muon only")
     if cfg.checkpoint.keep_latest_k < 0:
         raise ConfigError(f"checkpoint.keep_latest_k {cfg.checkpoint.keep_latest_k}: must be >= 0")
     if cfg.checkpoint.hf_upload_enabled and not cfg.checkpoint.hf_repo_base_name:
@@ -509,6 +524,14 @@ def validate(cfg) -> None:
                           "an async save may still be writing the newest checkpoint; keep at least 2")
     if cfg.checkpoint.enable and cfg.checkpoint.interval < 1:
         raise ConfigError(f"checkpoint.interval {cfg.checkpoint.interval}: must be >= 1")
+    if not cfg.checkpoint.enable:
+        # with checkpointing off nothing is loaded: the run would start from scratch without a word
+        loads = [f"checkpoint.{name} {value}" for name, value in (
+            ("initial_load_path", cfg.checkpoint.initial_load_path), ("load_step", cfg.checkpoint.load_step))
+            if value not in (None, "", -1)]
+        if loads:
+            raise ConfigError(f"{', '.join(loads)} with checkpointing off (checkpoint.enable false): nothing "
+                              "would be loaded; drop --checkpoint.no-enable")
     if cfg.metrics.log_freq < 1:
         raise ConfigError(f"metrics.log_freq {cfg.metrics.log_freq}: must be >= 1")
     for option, package in (("enable_wandb", "wandb"), ("enable_tensorboard", "tensorboard")):

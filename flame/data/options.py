@@ -158,6 +158,10 @@ def validate(o: DataOptions) -> None:
             )
     if o.boundary_policy not in BOUNDARY_POLICIES:
         raise ConfigError(f"training.boundary_policy: {o.boundary_policy!r} is not one of {BOUNDARY_POLICIES}")
+    if o.sft and o.boundary_policy != "auto":
+        # the chat template adds the special tokens of a conversation: the policy would be ignored
+        raise ConfigError(f"training.boundary_policy: {o.boundary_policy!r} with training.sft: the chat template "
+                          "adds a conversation's special tokens (drop the option)")
     if o.bad_document_policy not in BAD_DOCUMENT_POLICIES:
         raise ConfigError(
             f"training.bad_document_policy: {o.bad_document_policy!r} is not one of {BAD_DOCUMENT_POLICIES}")

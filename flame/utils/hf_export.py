@@ -258,8 +258,14 @@ def _load_tokenizer(tokenizer):
     if not isinstance(tokenizer, (str, os.PathLike)):
         return tokenizer
     from transformers import AutoTokenizer
+
+    from flame.data.options import looks_like_a_local_path
+    name = str(tokenizer)
+    if not os.path.isdir(name) and looks_like_a_local_path(name):
+        raise ConfigError(f"tokenizer {name!r}: no such folder")
     try:
-        return AutoTokenizer.from_pretrained(str(tokenizer))
+        # a hub id from the local cache only, as in training: flame never downloads
+        return AutoTokenizer.from_pretrained(name, local_files_only=not os.path.isdir(name))
     except (OSError, ValueError) as e:
         raise ConfigError(f"tokenizer {str(tokenizer)!r} cannot be loaded: {str(e).splitlines()[0]}") from None
 

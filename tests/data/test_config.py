@@ -116,6 +116,8 @@ def _rows_of(batch, tok, texts):
     (dict(dataset="a", varlen=True, context_len=64, seq_len=32), "context_len: 64"),
     (dict(dataset="a", mix_by="bytes"), "bytes"),
     (dict(dataset=" "), "dataset"),
+    # used to be ignored without a word (the chat template adds the special tokens)
+    (dict(dataset="a", sft=True, boundary_policy="bos"), "training.boundary_policy: 'bos' with training.sft"),
 ])
 def test_bad_options_name_the_value(kw, needle):
     with pytest.raises(ConfigError, match=needle):

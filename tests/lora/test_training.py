@@ -168,3 +168,15 @@ def test_lora_on_a_converted_hf_base_keeps_the_base_and_trains(tmp_path):
     got, want = trainer.model.state_dict(), base.state_dict()
     assert all(torch.equal(got[k], v) for k, v in want.items())  # the base loaded, then frozen
     assert any(got[k].any() for k in got if k.endswith(".lora_B"))  # the fresh adapters trained
+
+
+def test_resuming_a_lora_run_without_lora_names_the_adapters(tmp_path):
+    """Relaunching a LoRA run without --lora.rank used to stop with 'its optimizer state is another
+    optimizer's (resuming with another optimizer.name?)', which sent the user to the wrong option."""
+    dump = str(tmp_path / "lora")
+    train_in_process(tiny_job(dump, "--training.steps", "1", *LORA))
+    with pytest.raises(ConfigError) as e:
+        train_in_process(tiny_job(dump, "--training.steps", "2", "--optimizer.lr", "1e-2"))
+    message = str(e.value)
+    assert "lora_A of the checkpoint is not in this model" in message and "resume with its lora.rank" in message
+    assert "optimizer" not in message and "\n" not in message

@@ -172,6 +172,11 @@ def test_bad_input_one_line_error_and_no_output(training_dump, tmp_path, capsys)
     err = capsys.readouterr().err
     assert rc == 2 and err.count('\n') == 1 and "this config lacks, e.g. 'model.layers.1." in err, err
     assert not out.exists()
+    # a tokenizer folder that does not exist: named as such (it was "Repo id must use alphanumeric
+    # chars ...", from a hub look-up)
+    assert main(['--path', dump, '--step', '5', '--tokenizer', str(tmp_path / 'no_tok'), '--out', str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"flame: error: tokenizer {str(tmp_path / 'no_tok')!r}: no such folder\n" and not out.exists()
     # a step that does not exist
     assert main(['--path', dump, '--step', '7', '--out', str(out)]) == 2
     assert 'step-7' in capsys.readouterr().err

@@ -80,7 +80,7 @@ def test_a_leading_tilde_is_the_home_folder_in_every_path_option(tmp_path, monke
     toml.write_text('[model]\nconfig = "~/model.json"\ntokenizer_path = "~/tok"\n'
                     '[training]\ndataset = "~/corpus"\n[job]\ndump_folder = "~/runs/a"\n')
     cfg = parse("--job.config_file", str(toml), "--offload.save_plan", "~/plan.json",
-                "--checkpoint.initial_load_path", "~/tok")
+                "--checkpoint.enable", "--checkpoint.initial_load_path", "~/tok")
     assert (cfg.model.config, cfg.model.tokenizer_path) == (str(home / "model.json"), str(home / "tok"))
     assert (cfg.training.dataset, cfg.job.dump_folder) == (str(home / "corpus"), str(home / "runs/a"))
     assert (cfg.offload.save_plan, cfg.checkpoint.initial_load_path) == (str(home / "plan.json"), str(home / "tok"))
@@ -339,3 +339,15 @@ def test_plan_replayed_for_another_block_count_is_an_error(tmp_path, capsys):
     assert plan.main(["--model.config", TINY_LLAMA, *common, "--offload.plan", saved, "--offload.save_plan",
                       str(again)]) == 0
     assert json.loads(again.read_text()) == json.load(open(saved))
+
+
+def test_help_describes_validation_steps_as_flame_reads_it(capsys):
+    """--help used to show torchtitan's text ('-1 means consuming all the data in the validation
+    dataset WARNING: ... hangs'), while flame evaluates one batch at -1 (docs/data.md)."""
+    with pytest.raises(SystemExit):
+        parse("--help")
+    lines = capsys.readouterr().out.splitlines()
+    i = next(i for i, line in enumerate(lines) if line.startswith("  --validation.steps "))
+    assert lines[i].split() == ["--validation.steps", "INT", "[-1]"]
+    assert lines[i + 1].strip().startswith("Validation batches per evaluation; -1 (the default): one batch")
+    assert "consuming all" not in lines[i + 1] + lines[i + 2]

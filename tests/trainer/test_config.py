@@ -116,6 +116,10 @@ def test_bad_toml(tmp_path):
     bad.write_text('[training]\nbatchsize = 3\n')
     with pytest.raises(ConfigError, match="unknown TOML key 'training.batchsize'; did you mean 'training.batch_size'"):
         FlameConfigManager().parse_args(["--job.config_file", str(bad), "--model.config", CONFIG])
+    section = tmp_path / "section.toml"  # a misspelled table used to get "did you mean 'training.sft'?"
+    section.write_text('[trainig]\nsteps = 3\n')
+    with pytest.raises(ConfigError, match=r"^unknown TOML table '\[trainig\]'; did you mean 'training'\?$"):
+        FlameConfigManager().parse_args(["--job.config_file", str(section), "--model.config", CONFIG])
     broken = tmp_path / "broken.toml"
     broken.write_text("[training\n")
     with pytest.raises(ConfigError, match="broken.toml"):
@@ -179,3 +183,43 @@ def test_boolean_flags_of_sections_with_string_annotations():
     assert cfg.offload.activation_offload is True and cfg.offload.calibrate is False
     assert cfg.offload.gpu_memory_gib == 6
     assert parse().offload.activation_offload is False
+
+
+@pytest.mark.parametrize("extra, named", [
+    (["--validation.freq", "5"], "validation.freq"),
+    (["--validation.steps", "3"], "validation.steps"),
+    (["--validation.interval", "5"], "validation.interval"),
+    (["--validation.holdout_fraction", "0.1"], "validation.holdout_fraction"),
+])
+def test_validation_option_without_enable_is_an_error(extra, named):
+    """--validation.freq/steps (the spellings docs/data.md shows) without --validation.enable used to
+    be ignored without a word, while validation.interval, their alias, was an error."""
+    with pytest.raises(ConfigError) as e:
+        parse(*extra)
+    assert str(e.value) == f"{named} set but validation is off: add --validation.enable (or drop the option)"
+
+
+@pytest.mark.parametrize("extra, named", [
+    (["--optimizer.muon_lr", "0.02"], "optimizer.muon_lr given with optimizer.name AdamW"),
+    (["--optimizer.name", "Adam", "--optimizer.muon_momentum", "0.9", "--optimizer.muon_adjust_lr", "original"],
+     "optimizer.muon_momentum, optimizer.muon_adjust_lr given with optimizer.name Adam"),
+])
+def test_muon_options_without_muon_are_an_error(extra, named):
+    """--optimizer.muon_lr with AdamW used to train AdamW and ignore it without a word."""
+    with pytest.raises(ConfigError) as e:
+        parse(*extra)
+    assert str(e.value) == f"{named}: Muon's options apply with --optimizer.name Muon only"
+    assert parse("--optimizer.name", "Muon", *extra[-2:]).optimizer.name == "Muon"
+
+
+@pytest.mark.parametrize("extra, named", [
+    (["--checkpoint.initial_load_path", CORPUS], f"checkpoint.initial_load_path {CORPUS}"),
+    (["--checkpoint.load_step", "20"], "checkpoint.load_step 20"),
+])
+def test_checkpoint_loads_with_checkpointing_off_are_an_error(extra, named):
+    """--checkpoint.no-enable --checkpoint.initial_load_path X used to train from scratch (loss 9.03
+    at step 1 of the default job) without loading X or saying so."""
+    with pytest.raises(ConfigError) as e:
+        parse("--checkpoint.no-enable", *extra)
+    assert str(e.value) == (f"{named} with checkpointing off (checkpoint.enable false): nothing would be "
+                            "loaded; drop --checkpoint.no-enable")
