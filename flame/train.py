@@ -257,6 +257,10 @@ class Trainer(Stateful):
         )
         if self.parts.weights is not None:  # the weights are not the model's parameters
             self.checkpointer.states["model"] = self.parts.weights
+        if cfg.lora.rank > 0:  # alpha, which no tensor holds, is checked on resume
+            from flame.lora.scale import STATE_KEY, AdapterScale
+
+            self.checkpointer.states[STATE_KEY] = AdapterScale(cfg.lora.rank, cfg.lora.alpha)
         if cfg.lora.rank > 0 and cfg.lora.dropout > 0:  # the dropout masks continue on resume
             from flame.lora.rng import GeneratorState
 

@@ -37,6 +37,7 @@ from torchtitan.components.checkpoint import AsyncMode, CheckpointManager
 from torchtitan.tools.logging import logger
 
 from flame.errors import ConfigError
+from flame.lora.scale import STATE_KEY as LORA_SCALE
 
 COMPLETE = ".flame_complete.json"
 SAVING = ".flame_saving"
@@ -175,7 +176,7 @@ def verify(entry: StepFolder, rank: int = 0, world: int = 1) -> str | None:
 
 
 # the non-model states of a checkpoint (the model's tensors are stored under their own names)
-_NON_MODEL_STATES = ("optimizer", "lr_scheduler", "dataloader", "train_state", "lora_rng")
+_NON_MODEL_STATES = ("optimizer", "lr_scheduler", "dataloader", "train_state", "lora_rng", LORA_SCALE)
 
 
 def saved_model_keys(metadata_keys) -> list[str]:
@@ -445,6 +446,10 @@ class FlameCheckpointManager(CheckpointManager):
                 self._warn(f"checkpoint: {checkpoint_id} holds no LoRA adapters; {len(fresh)} adapter tensors "
                            "keep their initialization")
                 state_dict = {k: v for k, v in state_dict.items() if k not in fresh}
+        if not from_hf and LORA_SCALE in state_dict:
+            saved = saved if saved is not None else saved_keys(checkpoint_id)
+            if not any(k.startswith(LORA_SCALE + ".") for k in saved):  # written before flame saved it
+                state_dict = {k: v for k, v in state_dict.items() if k != LORA_SCALE}
         if not from_hf:
             # DCP loads the keys asked for and ignores the rest: a model with fewer tensors than the
             # checkpoint (fewer layers, no LoRA adapters) would drop some of its weights silently.

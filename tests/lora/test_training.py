@@ -180,3 +180,22 @@ def test_resuming_a_lora_run_without_lora_names_the_adapters(tmp_path):
     message = str(e.value)
     assert "lora_A of the checkpoint is not in this model" in message and "resume with its lora.rank" in message
     assert "optimizer" not in message and "\n" not in message
+
+
+def test_resuming_with_another_lora_alpha_is_an_error(tmp_path, monkeypatch):
+    """A relaunch with another --lora.alpha trained on in silence with another adapter scale, and
+    rewrote job_config.json, from which the exports of the earlier checkpoints take alpha."""
+    dump = str(tmp_path / "lora")
+    train_in_process(tiny_job(dump, "--training.steps", "1", *LORA))
+    with pytest.raises(ConfigError) as e:
+        train_in_process(tiny_job(dump, "--training.steps", "2", *LORA, "--lora.alpha", "16"))
+    assert str(e.value).startswith("lora.alpha=16: the checkpoint's adapters were trained with lora.alpha=8")
+    # checkpoints written before flame saved alpha load as before
+    from flame.lora import scale
+
+    old = str(tmp_path / "old")
+    monkeypatch.setattr(scale.AdapterScale, "state_dict", lambda self: {})
+    train_in_process(tiny_job(old, "--training.steps", "1", *LORA))
+    monkeypatch.undo()
+    train_in_process(tiny_job(old, "--training.steps", "2", *LORA))
+    assert len(losses(old)) == 2
