@@ -478,10 +478,8 @@ def validate(cfg) -> None:
             raise ConfigError(f"validation.{name} {value}: must be >= {least} (unset: the training value)")
     if not v.enable:
         # validation options given without the switch would be ignored without a word
-        defaults = type(v)()
-        given = [f"validation.{name}" for name in ("dataset", "interval", "local_batch_size", "seq_len", "freq",
-                                                    "steps", "holdout_fraction")
-                 if getattr(v, name) != getattr(defaults, name)]
+        given = _given(v, "validation", ("dataset", "interval", "local_batch_size", "seq_len", "freq", "steps",
+                                         "holdout_fraction"))
         if "validation.interval" in given:  # its alias freq carries the same value
             given.remove("validation.freq")
         if given:
@@ -505,9 +503,7 @@ def validate(cfg) -> None:
         check_muon_options(cfg)
     else:
         # Muon's options given with another optimizer would be ignored without a word
-        defaults = type(cfg.optimizer)()
-        changed = [f"optimizer.{name}" for name in ("muon_lr", "muon_momentum", "muon_adjust_lr")
-                   if getattr(cfg.optimizer, name) != getattr(defaults, name)]
+        changed = _given(cfg.optimizer, "optimizer", ("muon_lr", "muon_momentum", "muon_adjust_lr"))
         if changed:
             raise ConfigError(f"{', '.join(changed)} given with optimizer.name {cfg.optimizer.name}: "
                               "Muon's options apply with --optimizer.name Muon only")
@@ -569,15 +565,20 @@ def validate(cfg) -> None:
     validate_lora(cfg)
 
 
+def _given(section, prefix: str, names) -> list[str]:
+    """`prefix.name` of each of `names` set to other than its default in `section` (a config dataclass):
+    the options a switch that is off would ignore."""
+    defaults = type(section)()
+    return [f"{prefix}.{name}" for name in names if getattr(section, name) != getattr(defaults, name)]
+
+
 def validate_lora(cfg) -> None:
     lora = cfg.lora
     if lora.rank < 0:
         raise ConfigError(f"lora.rank {lora.rank}: must be >= 0 (0: LoRA off)")
     if lora.rank == 0:
         # an adapter option given while LoRA is off would otherwise be a full fine-tune in silence
-        defaults = type(lora)()
-        changed = [f"lora.{name}" for name in ("export_adapters", "alpha", "dropout", "targets")
-                   if getattr(lora, name) != getattr(defaults, name)]
+        changed = _given(lora, "lora", ("export_adapters", "alpha", "dropout", "targets"))
         if changed:
             raise ConfigError(f"{', '.join(changed)} given with LoRA off: set lora.rank > 0 "
                               "(lora.rank 0 trains every weight)")
