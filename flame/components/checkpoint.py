@@ -446,10 +446,6 @@ class FlameCheckpointManager(CheckpointManager):
                 self._warn(f"checkpoint: {checkpoint_id} holds no LoRA adapters; {len(fresh)} adapter tensors "
                            "keep their initialization")
                 state_dict = {k: v for k, v in state_dict.items() if k not in fresh}
-        if not from_hf and LORA_SCALE in state_dict:
-            saved = saved if saved is not None else saved_keys(checkpoint_id)
-            if not any(k.startswith(LORA_SCALE + ".") for k in saved):  # written before flame saved it
-                state_dict = {k: v for k, v in state_dict.items() if k != LORA_SCALE}
         if not from_hf:
             # DCP loads the keys asked for and ignores the rest: a model with fewer tensors than the
             # checkpoint (fewer layers, no LoRA adapters) would drop some of its weights silently.
@@ -458,6 +454,9 @@ class FlameCheckpointManager(CheckpointManager):
             from flame.lora import is_adapter_key
 
             saved = saved if saved is not None else saved_keys(checkpoint_id)
+            if LORA_SCALE in state_dict and not any(k.startswith(LORA_SCALE + ".") for k in saved):
+                # a LoRA checkpoint written before flame saved alpha: loaded unchecked, as before
+                state_dict = {k: v for k, v in state_dict.items() if k != LORA_SCALE}
             extra = [k for k in saved_model_keys(saved) if k not in state_dict]
             if extra:
                 hint = ("a LoRA run's adapters: resume with its lora.rank" if is_adapter_key(extra[0])
