@@ -1,7 +1,7 @@
-"""flame's CPU AdamW kernel (`flame.ops.cpu_adamw`): the whole step against its two partial passes
-("params": the new weights and compute copy; "moments": the new moments), alone and while pinned
-H2D and D2H copies stream (what the engine's forward does beside the CPU steps). Writes JSON and
-prints a table.
+"""flame's CPU AdamW kernel (`flame.ops.cpu_adamw`): the one-pass step (state and compute copy)
+against the step split in two (the compute copy alone, `copy_only`; then the state without the
+copy), alone and while pinned H2D and D2H copies stream (what the engine's forward does beside the
+CPU steps). Writes JSON and prints a table.
 
 Usage: python benchmarks/cpu_adamw_parts.py OUT.json [--numel 402653184] [--threads N]
 """
@@ -58,8 +58,8 @@ def main():
         step = [2]
 
         def once():
-            cpu_adamw.adamw(p, grad, m, v, step=step[0], compute_copy=None if part == "moments" else w,
-                            part=part, **hp)
+            cpu_adamw.adamw(p, grad, m, v, step=step[0], compute_copy=None if part == "state" else w,
+                            copy_only=part == "copy", **hp)
             step[0] += 1
 
         once()  # first touch, the library loaded
@@ -77,7 +77,7 @@ def main():
     rows = []
     for gname, grad in grads.items():
         for with_copies in (False, True) if cuda else (False,):
-            for part in cpu_adamw.PARTS:
+            for part in ("one pass", "copy", "state"):
                 r, busy = rate(part, grad, with_copies)
                 rows.append({"grad_dtype": gname, "part": part, "copies": with_copies,
                              "copies_outlasted": busy, "gparams_per_s": r})
