@@ -93,19 +93,6 @@ static inline bf16_t f32_to_bf16(float f) {
         if (COPY) w[i] = f32_to_bf16(pn);                                             \
     }
 
-/* The weights-first pass: the new compute copy alone, from the same expressions (so its values
-   are the whole step's); master and moments stay as they were. */
-#define COPY_BODY(LS, LG)                                                             \
-    for (int64_t i = lo; i < hi; i++) {                                               \
-        float gi = LG(g, i) * grad_mul;                                               \
-        float mi = LS(m, i);                                                          \
-        float vi = LS(v, i);                                                          \
-        float mn = mi + a1 * (gi - mi);                                               \
-        float vn = beta2 * vi + a2 * gi * gi;                                         \
-        float pn = LS(p, i) * decay - step_size * mn / (sqrtf(vn) / bc2_sqrt + eps);  \
-        w[i] = f32_to_bf16(pn);                                                       \
-    }
-
 #define ARGS_TAIL int64_t lo, int64_t hi, float decay, float step_size, float bc2_sqrt, \
                   float grad_mul, float a1, float beta2, float a2, float eps
 
@@ -119,9 +106,7 @@ static void NAME##_out(const S *restrict p, const G *restrict g, const S *restri
                        bf16_t *restrict w, ARGS_TAIL) { ADAMW_BODY(LS, SS, LG, P, M, V, 0) }        \
 static void NAME##_out_copy(const S *restrict p, const G *restrict g, const S *restrict m,          \
                             const S *restrict v, S *restrict P, S *restrict M, S *restrict V,       \
-                            bf16_t *restrict w, ARGS_TAIL) { ADAMW_BODY(LS, SS, LG, P, M, V, 1) } \
-static void NAME##_copy(const S *restrict p, const G *restrict g, const S *restrict m,               \
-                        const S *restrict v, bf16_t *restrict w, ARGS_TAIL) { COPY_BODY(LS, LG) }
+                            bf16_t *restrict w, ARGS_TAIL) { ADAMW_BODY(LS, SS, LG, P, M, V, 1) }
 
 DEFINE_ADAMW(f32_f32, float, float, LD_F32, ST_F32, LD_F32)
 DEFINE_ADAMW(f32_bf16, float, bf16_t, LD_F32, ST_F32, LD_BF16)
@@ -129,10 +114,7 @@ DEFINE_ADAMW(bf16_f32, bf16_t, float, LD_BF16, ST_BF16, LD_F32)
 DEFINE_ADAMW(bf16_bf16, bf16_t, bf16_t, LD_BF16, ST_BF16, LD_BF16)
 
 #define DISPATCH(NAME, S, G)                                                                        \
-    if (copy_only) {                                                                                \
-        NAME##_copy((const S *)p, (const G *)g, (const S *)m, (const S *)v, w, lo, hi, decay,       \
-                    step_size, bc2_sqrt, grad_mul, a1, beta2, a2, eps);                             \
-    } else if (in_place) {                                                                          \
+    if (in_place) {                                                                                 \
         if (w) NAME##_in_copy((S *)P, (const G *)g, (S *)M, (S *)V, w, lo, hi, decay, step_size,    \
                               bc2_sqrt, grad_mul, a1, beta2, a2, eps);                              \
         else NAME##_in((S *)P, (const G *)g, (S *)M, (S *)V, w, lo, hi, decay, step_size,           \
@@ -147,11 +129,11 @@ DEFINE_ADAMW(bf16_bf16, bf16_t, bf16_t, LD_BF16, ST_BF16, LD_BF16)
 
 /* state (p, m, v) and its destination (P, M, V: either p, m, v themselves or buffers that overlap
    neither them nor g) in one dtype (state_bf16), grads in theirs (grad_bf16); w: the bf16 compute
-   copy or NULL; copy_only: write the compute copy alone (P, M, V unused) */
+   copy or NULL */
 void flame_adamw(const void *p, const void *g, const void *m, const void *v,
                  void *P, void *M, void *V, uint16_t *w, int64_t n,
                  int state_bf16, int grad_bf16, float decay, float step_size, float bc2_sqrt,
-                 float grad_mul, float beta1, float beta2, float eps, int threads, int copy_only) {
+                 float grad_mul, float beta1, float beta2, float eps, int threads) {
     const int64_t block = 1 << 14;
     const int64_t nblocks = (n + block - 1) / block;
     const int in_place = P == p;
@@ -212,7 +194,7 @@ def _build() -> ctypes.CDLL:
             shutil.rmtree(tmp, ignore_errors=True)
     f = ctypes.CDLL(str(lib)).flame_adamw
     f.restype = None
-    f.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64, ctypes.c_int, ctypes.c_int] + [ctypes.c_float] * 7 + [ctypes.c_int] * 2
+    f.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64, ctypes.c_int, ctypes.c_int] + [ctypes.c_float] * 7 + [ctypes.c_int]
     return f
 
 
@@ -247,16 +229,10 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 def adamw(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
           step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
           grad_mul: float = 1.0, out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-          compute_copy: torch.Tensor | None = None, threads: int = 0, copy_only: bool = False) -> None:
+          compute_copy: torch.Tensor | None = None, threads: int = 0) -> None:
     """One AdamW step of flat contiguous CPU tensors; `step` counts this step (1 for the first).
     Writes the new (param, exp_avg, exp_avg_sq) into `out` when given (the inputs stay unchanged),
-    else in place; `compute_copy` (bf16), when given, receives the new param. Needs `available()`.
-    `copy_only`: write the new compute copy alone (given; `out` None), leaving master and moments
-    as they are: its values are the whole step's, bit for bit, and it moves fewer bytes. A caller
-    that needs the new weights first steps the state itself later (the same call without it).
-    """
-    if copy_only and (compute_copy is None or out is not None):
-        raise ValueError("cpu_adamw: copy_only needs compute_copy and writes nothing else (out must be None)")
+    else in place; `compute_copy` (bf16), when given, receives the new param. Needs `available()`."""
     state = (param, exp_avg, exp_avg_sq)
     dst = out if out is not None else state
     n = param.numel()
@@ -277,4 +253,4 @@ def adamw(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_av
          dst[0].data_ptr(), dst[1].data_ptr(), dst[2].data_ptr(), _ptr(compute_copy), n,
          int(state_bf16), int(grad.dtype == torch.bfloat16), 1.0 - lr * weight_decay,
          lr / (1.0 - beta1 ** step), math.sqrt(1.0 - beta2 ** step), grad_mul, beta1, beta2, eps,
-         threads or torch.get_num_threads(), int(copy_only))
+         threads or torch.get_num_threads())

@@ -63,29 +63,6 @@ def test_matches_float64_adamw(state_dtype, grad_dtype, out_of_place):
             assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("state_dtype,grad_dtype", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
-                                                    (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32)])
-def test_copy_only_then_state_is_the_one_pass_step_bit_for_bit(state_dtype, grad_dtype):
-    """The engine's weights-first step: the compute copy alone, the state later; every value the
-    one-pass step's, and the first pass leaves master, moments and grads as they were."""
-    n, step, grad_mul = 100_003, 5, 0.61
-    p, grad, m, v = inputs(n, state_dtype, grad_dtype, seed=3 * n + step)
-    one = [t.clone() for t in (p, m, v)]
-    copy_one = torch.empty(n, dtype=torch.bfloat16)
-    cpu_adamw.adamw(*one[:1], grad, *one[1:], step=step, grad_mul=grad_mul, compute_copy=copy_one, **HP)
-    two = [t.clone() for t in (p, m, v)]
-    copy_two = torch.full((n,), float("nan"), dtype=torch.bfloat16)
-    cpu_adamw.adamw(*two[:1], grad, *two[1:], step=step, grad_mul=grad_mul, compute_copy=copy_two, copy_only=True,
-                    threads=2, **HP)
-    assert all(torch.equal(a, b) for a, b in zip(two, (p, m, v)))
-    cpu_adamw.adamw(*two[:1], grad, *two[1:], step=step, grad_mul=grad_mul, threads=1, **HP)
-    bits = {torch.float32: torch.int32, torch.bfloat16: torch.int16}
-    for a, b in zip(one + [copy_one], two + [copy_two]):
-        assert torch.equal(a.view(bits[a.dtype]), b.view(bits[b.dtype]))
-    with pytest.raises(ValueError, match="copy_only"):
-        cpu_adamw.adamw(p, grad, m, v, step=step, copy_only=True, **HP)
-
-
 def test_close_to_torch_adamw_over_steps():
     """Five steps against torch.optim.AdamW (fused) on the same grads: within float32 rounding."""
     n = 4099

@@ -307,25 +307,6 @@ def adam_traffic_bytes(dt: Dtypes) -> int:
     return DTYPE_BYTES[dt.grad] + 2 * DTYPE_BYTES[dt.master] + 4 * DTYPE_BYTES[dt.moment]
 
 
-def weights_first_units(dt: Dtypes, one_pass: bool, speculative: bool, modes, accs, rounds: int) -> list[bool]:
-    """Per unit, whether its CPU step goes weights first (runtime.host_optimizer: the new compute
-    copy alone gates the next forward, master and moments follow during it): a host unit whose
-    grads reach the host once a step, a bf16 compute copy apart from the master, flame's one-pass
-    kernel, no speculative step. `accs`: effective_accs."""
-    on = one_pass and not speculative and dt.compute == "bfloat16" and dt.master != dt.compute
-    return [on and m != "gpu" and (rounds == 1 or a) for m, a in zip(modes, accs)]
-
-
-def weights_first_fractions(dt: Dtypes) -> tuple[float, float]:
-    """(the weights-first pass, the state pass after it) as shares of the one-pass step's host
-    memory traffic: all three read grads, master and moments; the first writes the compute copy
-    alone, the second master and moments."""
-    read = DTYPE_BYTES[dt.grad] + DTYPE_BYTES[dt.master] + 2 * DTYPE_BYTES[dt.moment]
-    state = DTYPE_BYTES[dt.master] + 2 * DTYPE_BYTES[dt.moment]
-    whole = read + state + dt.c
-    return (read + dt.c) / whole, (read + state) / whole
-
-
 def cpu_contention(prof: HardwareProfile, dt: Dtypes, cpu_rate: float, copy_bytes: float, window_s: float) -> float:
     """How much slower the CPU optimizer runs while `copy_bytes` cross PCIe from/to host memory over
     `window_s` seconds (>= 1; see predict)."""
@@ -504,13 +485,6 @@ def predict(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, layer_modes, l
     # pass, torch's in-place fused AdamW needs master and moments copied there first
     copied = 0 if prof.cpu_adam_one_pass or not spare else speculative_spare_bytes(dt)
     spec_t = [t + n * copied / memcpy if speculative and m != "gpu" else 0.0 for t, n, m in zip(cpu_t, tn, modes)]
-    # weights first: the forward waits for the compute copy's pass; the state's pass runs on the
-    # CPU worker from the backward's start (queued after every unit's first pass, ahead of the D2H
-    # of the grads it still reads)
-    split = weights_first_units(dt, prof.cpu_adam_one_pass, speculative, modes, accs, rounds)
-    first, rest = weights_first_fractions(dt)
-    state_s = sum(t * rest for t, sp in zip(cpu_t, split) if sp)
-    cpu_t = [t * first if sp else t for t, sp in zip(cpu_t, split)]
     gate_t = [0.0 if speculative else t for t in cpu_t]
     # speculative, one round, one rank: the outer's untied head is an early piece (runtime.gradients;
     # the loss's backward delivers its grad first): its D2H and its share of the outer's CPU step
@@ -588,8 +562,7 @@ def predict(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, layer_modes, l
             compute += ct
             bw.append((0.0, b / h2d_bwd + (ag_s[k] if refetch else 0.0), ct + rs_s[k], d / d2h_bwd,
                        acc_s(k, r) + spec))
-        phases.append(_flow(bw, depth, lead=(head_share * tn[0] * wire[0] / d2h_bwd,
-                                             head_share * spec_t[0] + (state_s if r == 0 else 0.0))))
+        phases.append(_flow(bw, depth, lead=(head_share * tn[0] * wire[0] / d2h_bwd, head_share * spec_t[0])))
     gpu_params = sum(u.trainable_numel for u, m in zip(units, modes) if m == "gpu")
     # the GPU AdamW, then for replicated "gpu" units one all-reduce (reduce-scatter + all-gather)
     # of their grads a step

@@ -10,8 +10,7 @@ import dataclasses
 import logging
 import os
 
-from flame.offload.planner.cost_model import (Dtypes, predict, shard_numel, weights_first_fractions,
-                                              weights_first_units)
+from flame.offload.planner.cost_model import Dtypes, predict, shard_numel
 from flame.offload.planner.plan import Plan
 from flame.offload.planner.solver import solve
 
@@ -36,16 +35,10 @@ def compare(plan: Plan, measured_step_s: float, measured_peak_bytes: int | None)
 def cpu_adam_scale(plan: Plan, costs, prof, cpu_adam_s: float) -> float:
     """Measured over profiled CPU AdamW rate: the seconds the plan's host units should take at the
     profile's rate over the seconds the engine measured for them (its host_seconds["cpu_adam"]
-    per step: of a weights-first unit, its first pass). The profile's rate is a micro-benchmark;
-    the engine's timing is what its steps saw."""
+    per step). The profile's rate is a micro-benchmark; the engine's timing is what its steps saw."""
     units = [costs.outer] + list(costs.layers)
     modes = [plan.outer_mode] + list(plan.layer_modes)
-    dt = Dtypes(**plan.dtypes)
-    split = weights_first_units(dt, prof.cpu_adam_one_pass, plan.speculative_step, modes,
-                                plan.unit_accs(), plan.rounds)
-    first = weights_first_fractions(dt)[0]
-    params = sum(shard_numel(u.numel, plan.world) * (first if sp else 1.0)
-                 for u, m, sp in zip(units, modes, split) if m != "gpu")
+    params = sum(shard_numel(u.numel, plan.world) for u, m in zip(units, modes) if m != "gpu")
     if not params or cpu_adam_s <= 0:
         return 1.0
     return params / prof.cpu_adam_rate(plan.cpu_threads, plan.node_ranks, plan.dtypes["master"]) / cpu_adam_s

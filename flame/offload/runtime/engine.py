@@ -231,7 +231,6 @@ class OffloadEngine:
                 u.grads.sent = False
                 self.schedule.stale(u)
                 self.optimizer.finish(u, coef)
-        self.optimizer.submit_deferred()
         self.gradients.clean = True
 
     def zero_grad(self) -> None:

@@ -52,9 +52,6 @@ class UnitGrads:
     shard_free: object = None  # event: `shard` read by its D2H
     staging: torch.Tensor | None = None  # host units: pinned, this rank's shard, what each D2H writes
     staging_free: threading.Event = field(default_factory=set_event)  # the CPU worker has read `staging`
-    # the CPU worker is done with `accumulator` (a weights-first step's state step, host_optimizer.py):
-    # a D2H into it (when it is `staging`) waits for this
-    accumulator_free: threading.Event = field(default_factory=set_event)
     # the step's sum the optimizer reads: on the GPU for gpu units, on the host for host units
     # (`staging` itself when the grads arrive once a step)
     accumulator: torch.Tensor | None = None
@@ -314,10 +311,6 @@ class Gradients:
         """Run `copy_out` (u's grads into its pinned staging buffer) on the D2H stream after the
         compute stream's work so far, then zero `then_zero` there; record when it is done."""
         g = u.grads
-        if g.staging is g.accumulator and not g.accumulator_free.is_set():
-            t = time.perf_counter()
-            g.accumulator_free.wait()
-            self.worker.account("backward_waits_for_cpu_adam", u.index, t)
         cur = self.s.current()
         with self.s.on(self.s.d2h):
             if self.s.cuda:

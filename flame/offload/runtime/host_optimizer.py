@@ -26,15 +26,6 @@ at the one lr chosen by the unit's first piece. Commit, redo and undo stay per u
 the whole unit from the untouched state). The kernel runs over the same ranges (the unit's
 `decay_segments`, cut at its pieces) with or without speculation, so the results stay the same.
 
-Weights first: a unit whose grads reach the host once a step (`UnitGrads.accumulator` is the
-staging buffer the D2H writes) and whose compute copy is not its master, stepped the usual way
-(not speculative) by the one-pass kernel, is stepped in two jobs. The first writes the new
-compute copy alone (`cpu_adamw`'s `copy_only`: master and moments read, not written), so the next
-forward waits for fewer bytes of host memory traffic; the second, queued after every unit's first
-(last unit first, the backward's order), steps master and moments in place with the same values
-while the next forward and backward run. The unit's next grads must not overwrite the
-accumulator before it: `UnitGrads.accumulator_free` is clear until then and the D2H waits on it.
-
 Clipping scales the grads inside the kernel; weight decay is decoupled as in AdamW, with the
 no_decay parameters (norms, biases, embeddings) excluded as in the plain optimizer.
 """
@@ -105,9 +96,6 @@ class HostOptimizer:
         # speculative updates of host units so far, by outcome: kept, redone (clipped or another
         # lr), undone (skipped step); the trainer logs them per step (OffloadOptimizers.log_metrics)
         self.speculations = Counter()
-        # weights-first steps queued by start_on_cpu whose state step is still to be queued: (unit,
-        # clip coefficient, lr), in forward order (submit_deferred queues them last unit first)
-        self.deferred: list[tuple[Unit, float, float]] = []
         # the one-pass C kernel (flame.ops.cpu_adamw) when it builds here, else torch's fused AdamW
         host = any(u.mode != "gpu" and not u.frozen for u in units)
         self.kernel = host and cpu_adamw.available()
@@ -171,28 +159,8 @@ class HostOptimizer:
         o.master.grad = None
 
     def start_on_cpu(self, u: Unit, coef: float) -> None:
-        """A host unit's step, queued on the CPU worker (after the grads' adds queued before it):
-        weights first where it can be (the module doc; its state step is queued by submit_deferred)."""
-        if not self.weights_first(u):
-            self._submit(u, self._cpu_step, coef, self.lr)
-            return
-        u.grads.accumulator_free.clear()
-        self._submit(u, self._weights_step, coef, self.lr)
-        self.deferred.append((u, coef, self.lr))
-
-    def weights_first(self, u: Unit) -> bool:
-        """Whether `u`'s usual (not speculative) CPU step goes in two jobs (the module doc)."""
-        o, g = u.optimizer, u.grads
-        return (self.kernel and not self.speculative and o is not None and g.accumulator is g.staging
-                and {o.master.dtype, g.accumulator.dtype} <= cpu_adamw.DTYPES
-                and u.weights.host.dtype == torch.bfloat16 and not same_tensor(u.weights.host, o.master))
-
-    def submit_deferred(self) -> None:
-        """Queue the state steps of this step's weights-first units, after all of their first jobs,
-        last unit first (the backward frees their grads in that order)."""
-        for u, coef, lr in reversed(self.deferred):
-            self.worker.submit(self._state_step, u, coef, lr)
-        self.deferred.clear()
+        """A host unit's step, queued on the CPU worker (after the grads' adds queued before it)."""
+        self._submit(u, self._cpu_step, coef, self.lr)
 
     def _submit(self, u: Unit, job, *args) -> None:
         # jobs of one unit run in order: the last one's event means all of them are done
@@ -308,21 +276,6 @@ class HostOptimizer:
         finally:
             done.set()
 
-    def _weights_step(self, u: Unit, coef: float, lr: float, upload_read_done, done) -> None:
-        """The new compute copy alone (the state stays: `_state_step` follows)."""
-        try:
-            self._wait_inputs(u, upload_read_done)
-            self._step_body(u, coef, lr, copy_only=True)
-        finally:
-            done.set()
-
-    def _state_step(self, u: Unit, coef: float, lr: float) -> None:
-        """Master and moments of a weights-first step, in place; then the grads may be overwritten."""
-        try:
-            self._step_body(u, coef, lr, write_copy=False, kind="cpu_adam_state")
-        finally:
-            u.grads.accumulator_free.set()
-
     def _wait_inputs(self, u: Unit, upload_read_done, grads_ready=None) -> None:
         """`grads_ready`: the D2H of the grads this job reads (None: the unit's last one)."""
         if self.cpu_threads:
@@ -345,20 +298,17 @@ class HostOptimizer:
         return st
 
     def _step_body(self, u: Unit, coef: float, lr: float, into_spare: bool = False,
-                   pieces: list[int] | None = None, count_step: bool = True, copy_only: bool = False,
-                   write_copy: bool = True, kind: str = "cpu_adam") -> None:
+                   pieces: list[int] | None = None, count_step: bool = True) -> None:
         """One AdamW step of a host unit with grads scaled by `coef`: in place, or (`into_spare`)
         into the unit's spare buffers with the state left as it was; over the unit's `pieces`
-        only (None: all). Writes the compute copy when it is not the master itself (and
-        `write_copy`); `copy_only`: the compute copy alone (the kernel's weights-first pass). The
-        state's step count moves only when the state is stepped in place with `count_step`.
-        Its seconds are booked under `kind`."""
+        only (None: all). Writes the compute copy when it is not the master itself. The state's
+        step count moves only in place with `count_step`."""
         o = u.optimizer
         ranges = u.pieces if pieces is None else [u.pieces[i] for i in pieces]
         st = self.state(o)
         src = (o.master.data, st["exp_avg"], st["exp_avg_sq"])
         dst = o.spare if into_spare else src
-        host = None if same_tensor(u.weights.host, o.master) or not write_copy else u.weights.host
+        host = None if same_tensor(u.weights.host, o.master) else u.weights.host
         o.adamw.param_groups[0]["lr"] = lr
         t0 = time.perf_counter()
         step = int(st["step"]) + 1
@@ -372,8 +322,7 @@ class HostOptimizer:
                 cpu_adamw.adamw(master, grad[a:b], exp_avg, exp_avg_sq, step=step, lr=lr, beta1=self.betas[0],
                                 beta2=self.betas[1], eps=self.eps, weight_decay=self.weight_decay if decayed else 0.0,
                                 grad_mul=coef, out=tuple(t[a:b] for t in dst) if into_spare else None,
-                                compute_copy=None if copy is None else copy[a:b], threads=self.cpu_threads,
-                                copy_only=copy_only)
+                                compute_copy=None if copy is None else copy[a:b], threads=self.cpu_threads)
             host = None if copy is not None else host
         else:
             for a, b in ranges:
@@ -381,12 +330,12 @@ class HostOptimizer:
         if host is not None:
             for a, b in ranges:
                 host[a:b].copy_(dst[0][a:b])
-        if not into_spare and count_step and not copy_only:
+        if not into_spare and count_step:
             st["step"].fill_(step)
         t1 = time.perf_counter()
-        self.worker.seconds[kind] += t1 - t0
+        self.worker.seconds["cpu_adam"] += t1 - t0
         if self.worker.trace is not None:
-            self.worker.trace.append(("cpu_step" if kind == "cpu_adam" else kind, u.index, t0, t1))
+            self.worker.trace.append(("cpu_step", u.index, t0, t1))
 
     def _torch_fused_step(self, u: Unit, src, dst, coef: float, lr: float, step: int, lo: int, hi: int) -> None:
         """Without the C kernel (or for float16 master or grads, which it does not take): torch's
