@@ -30,6 +30,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -557,12 +558,26 @@ def device_info() -> dict:
             "memory_gib": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)}
 
 
-def commit() -> str:
+def commit(root: str = ROOT) -> str:
+    """The commit whose files ran: HEAD, or, where the files differ from it (the device's copy of
+    a working tree carries the landed main's .git), "HEAD+tree T" with T the git tree hash of the
+    files as they are (tracked and untracked, less the ignored): `git rev-parse C^{tree}` gives T
+    for the commit C that holds them."""
     if os.environ.get("FLAME_COMMIT"):
         return os.environ["FLAME_COMMIT"]
+
+    def git(*args, env=None) -> str:
+        return subprocess.run(["git", "-C", root, *args], capture_output=True, text=True, check=True,
+                              env=env).stdout.strip()
+
     try:
-        return subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
+        head = git("rev-parse", "HEAD")
+        with tempfile.TemporaryDirectory() as tmp:
+            env = dict(os.environ, GIT_INDEX_FILE=os.path.join(tmp, "index"))
+            git("read-tree", "HEAD", env=env)
+            git("add", "-A", env=env)
+            tree = git("write-tree", env=env)
+        return head if tree == git("rev-parse", "HEAD^{tree}") else f"{head}+tree {tree}"
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 

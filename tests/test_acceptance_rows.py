@@ -3,6 +3,7 @@ command lines flame's config manager accepts, compared at equal tokens per step;
 
 import importlib.util
 import os
+import subprocess
 import sys
 
 import pytest
@@ -304,3 +305,30 @@ def test_rows_with_a_speed_target_run_long_enough_for_a_steady_median():
         given = row.args[row.args.index("--training.steps") + 1]
         assert row.steps >= acceptance.TARGET_MIN_STEPS and given == str(row.steps), (name, row.steps, given)
     assert rows["paper_vanilla"].steps == 8  # the others keep --steps
+
+
+def test_commit_names_the_files_that_ran(tmp_path, monkeypatch):
+    """HEAD while the files are HEAD's; a working tree that differs from it (as the device's copy,
+    which carries another commit's .git) gets the tree hash that the commit holding it has."""
+    monkeypatch.delenv("FLAME_COMMIT", raising=False)
+
+    def git(*args):
+        return subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                              capture_output=True, text=True, check=True).stdout.strip()
+
+    git("init", "-q")
+    (tmp_path / ".gitignore").write_text("ignored/\n")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    git("add", "-A")
+    git("commit", "-qm", "one")
+    head = git("rev-parse", "HEAD")
+    (tmp_path / "ignored").mkdir()
+    (tmp_path / "ignored" / "w.whl").write_text("wheel")
+    assert acceptance.commit(str(tmp_path)) == head
+    (tmp_path / "a.py").write_text("x = 2\n")
+    (tmp_path / "b.py").write_text("y = 1\n")
+    ran = acceptance.commit(str(tmp_path))
+    git("add", "-A")
+    git("commit", "-qm", "two")
+    assert ran == f"{head}+tree {git('rev-parse', 'HEAD^{tree}')}"
+    assert git("status", "--porcelain") == ""  # the index of the checkout was not touched
