@@ -12,6 +12,11 @@ from flame.offload.runtime.host_math import HostMath
 from flame.offload.runtime.streams import piece_ranges
 
 F32 = {"compute": "float32", "master": "float32", "grad": "float32", "moment": "float32"}
+# weights after the engine's steps against torch's AdamW: flame's CPU AdamW kernel rounds its
+# expressions differently (the compiler may fuse a multiply-add on one CPU and not another); a few
+# ulp in a step's update grow, through the next steps' grads, to ~1e-6 on single weights, while a
+# lost or doubled micro-batch moves many by ~lr (1e-2)
+KERNEL_ATOL = 1e-5
 
 
 def tiny(seed=0, tie=False):
@@ -87,7 +92,7 @@ def test_engine_matches_plain_run(rounds, tie, accs, outer_acc):
     assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
     sd = eng.model_state_dict()
     for k, v in ref.state_dict().items():
-        torch.testing.assert_close(sd[k], v, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(sd[k], v, rtol=1e-5, atol=KERNEL_ATOL)
 
 
 def test_all_streamed_depth2_and_state_dict_roundtrip():
@@ -540,7 +545,7 @@ def test_no_decay_parameters_match_torch_param_groups():
     assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
     sd = eng.model_state_dict()
     for k, v in ref.state_dict().items():
-        torch.testing.assert_close(sd[k], v, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(sd[k], v, rtol=1e-5, atol=KERNEL_ATOL)
     # decay really is applied elsewhere and not to the norms: a run without the no_decay set differs
     # in the norms (they start at 1.0 and decay towards 0)
     _, decayed = run_engine(tiny(seed=5), p, b, 1, max_norm=0.5)

@@ -73,10 +73,11 @@ def test_tp_without_fsdp_trains_in_bf16_autocast(tmp_path):
     run_job(2, tp, *common, *TP2, config=TRANSFORMER)
     fp32 = str(tmp_path / "fp32")
     run_job(2, fp32, "--training.steps", "3", "--checkpoint.no-enable", *TP2, config=TRANSFORMER)
-    # bf16 TP follows bf16 single-process closer than float32 TP does
-    gap_bf16 = max(abs(a - b) for a, b in zip(losses(tp), losses(one)))
-    gap_fp32 = max(abs(a - b) for a, b in zip(losses(fp32), losses(one)))
-    assert gap_bf16 < gap_fp32, (losses(one), losses(tp), losses(fp32))
+    # without autocast the bf16 TP run is the float32 TP run, step for step (the same program on the
+    # same numbers); which of the two lies closer to the single-process run depends on the CPU's
+    # rounding, so only closeness is asked of that
+    assert losses(tp) != losses(fp32), (losses(tp), losses(fp32))
+    assert max(abs(a - b) for a, b in zip(losses(tp), losses(one))) < 1e-2, (losses(one), losses(tp))
 
 
 def test_autocast_context_per_layout():
