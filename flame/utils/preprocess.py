@@ -72,7 +72,9 @@ def preprocess(args: argparse.Namespace) -> dict:
             texts = [t if t is not None else "" for t in batch[column]]
             return {"input_ids": tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]}
 
-        ds = ds.map(tokenize, batched=True, batch_size=args.batch_size, num_proc=max(1, args.num_proc),
+        # datasets >= 5 starts a process pool for any num_proc >= 1; None tokenizes in this process
+        ds = ds.map(tokenize, batched=True, batch_size=args.batch_size,
+                    num_proc=args.num_proc if args.num_proc > 1 else None,
                     remove_columns=[column], desc="tokenizing",
                     load_from_cache_file=False)  # a run with another tokenizer of the same path must not reuse ids
     elif column != "input_ids":
