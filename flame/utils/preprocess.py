@@ -58,6 +58,8 @@ def _own_option_names(message: str) -> str:
 
 
 def preprocess(args: argparse.Namespace) -> dict:
+    if args.output.exists() and not args.output.is_dir():
+        raise ConfigError(f"--output: {str(args.output)!r} is a file, not a folder")
     if args.output.exists() and any(args.output.iterdir()):
         raise ConfigError(f"--output: {str(args.output)!r} exists and is not empty")
     spec = parse_sources(args.dataset, args.dataset_name, args.split, args.data_dir, args.data_files)[0]

@@ -196,3 +196,11 @@ def test_preprocess_counts_must_be_positive(tmp_path, flag, capsys):
         main(["--dataset", "x", "--tokenizer", "y", "--output", str(tmp_path / "o"), flag, "0"])
     assert stop.value.code == 2
     assert capsys.readouterr().err.strip() == f"flame: error: {flag} 0: must be >= 1"
+
+
+def test_preprocess_output_that_is_a_file_is_one_line(tmp_path, capsys):
+    from flame.utils.preprocess import main
+
+    (tmp_path / "taken").write_text("x")
+    assert main(["--dataset", "x", "--tokenizer", "y", "--output", str(tmp_path / "taken")]) == 2
+    assert capsys.readouterr().err.strip() == f"flame: error: --output: {str(tmp_path / 'taken')!r} is a file, not a folder"
