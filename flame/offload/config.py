@@ -47,7 +47,9 @@ class Offload:
     """dtype of the master weights the optimizer updates."""
 
     grad_dtype: Literal["bfloat16", "float16", "float32"] = "float32"
-    """dtype gradients are accumulated and stored in (on GPU or on host)."""
+    """dtype gradients are accumulated and stored in (on GPU or on host). With one micro-batch a step
+    nothing is accumulated: host-offloaded blocks' grads then stay in the compute dtype when it is
+    narrower (the same values, half the bytes to copy and keep)."""
 
     moment_dtype: Literal["bfloat16", "float16", "float32"] = "float32"
     """dtype of the AdamW moments (exp_avg, exp_avg_sq)."""

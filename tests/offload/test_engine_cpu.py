@@ -237,10 +237,11 @@ def test_piece_ranges_never_cross_a_piece():
 
 def test_copies_split_at_tiny_pin_pieces_same_numbers(monkeypatch):
     """Every host<->device copy split at 40-byte pieces (and 7-element grad conversion chunks)
-    gives bit-identical results: no copy site skips or misplaces a range."""
+    gives bit-identical results: no copy site skips or misplaces a range. (float32 compute with
+    bf16 grads: the one case of one micro-batch a step whose grads are converted on the GPU.)"""
     import flame.offload.runtime.gradients as gradients
 
-    mixed = {"compute": "bfloat16", "master": "float32", "grad": "float32", "moment": "float32"}
+    mixed = {"compute": "float32", "master": "float32", "grad": "bfloat16", "moment": "float32"}
     b = batches(3, 1, seed=4)
     p = plan(["stream", "host_opt", "stream", "gpu"], ["recompute", "keep", "keep", "keep"], "host_opt", dtypes=mixed)
     want, _ = run_engine(tiny(seed=6), p, b, 1, max_norm=0.5)
@@ -248,6 +249,29 @@ def test_copies_split_at_tiny_pin_pieces_same_numbers(monkeypatch):
     got, eng = run_engine(tiny(seed=6), p, b, 1, max_norm=0.5, pin_piece_bytes=40)
     assert eng.gradients.conversion and eng.gradients.conversion[0].numel() == 7
     assert got == want
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_bf16_host_grads_give_the_fp32_grads_numbers(monkeypatch, speculative):
+    """bf16 compute, fp32 grad dtype, one micro-batch a step: host grads stay bf16 on the host
+    (cost_model.host_grad_dtype: nothing sums them), and every weight and loss is bit for bit what
+    fp32 host grads (converted on the GPU, as before) give, with clipping."""
+    import flame.offload.runtime.engine as engine
+
+    mixed = {"compute": "bfloat16", "master": "float32", "grad": "float32", "moment": "float32"}
+    b = batches(4, 1, seed=9)
+    p = plan(["stream", "host_opt", "stream", "gpu"], ["recompute", "keep", "keep", "keep"], "host_opt", dtypes=mixed)
+    p.speculative_step = speculative
+    got, eng = run_engine(tiny(seed=3), p, b, 1, max_norm=0.5)
+    host = [u for u in eng.units if u.mode != "gpu"]
+    assert {u.grads.accumulator.dtype for u in host} == {torch.bfloat16} and not eng.gradients.conversion
+    assert {u.grads.accumulator.dtype for u in eng.units if u.mode == "gpu"} == {torch.float32}
+    weights = [u.optimizer.master.detach().clone() for u in eng.units]
+    monkeypatch.setattr(engine, "host_grad_dtype", lambda dt, rounds: dt.grad)
+    want, old = run_engine(tiny(seed=3), p, b, 1, max_norm=0.5)
+    assert {u.grads.accumulator.dtype for u in old.units if u.mode != "gpu"} == {torch.float32}
+    assert got == want
+    assert all(torch.equal(a, u.optimizer.master) for a, u in zip(weights, old.units))
 
 
 @pytest.mark.parametrize("dtypes", [F32, {"compute": "bfloat16", "master": "float32", "grad": "float32", "moment": "float32"}])

@@ -92,8 +92,10 @@ def test_unit_bytes_by_hand():
     assert unit_gpu_bytes(u, "gpu", dt) == 1000 * (2 + 2 + 4 + 4 + 8)
     assert unit_gpu_bytes(u, "host_opt", dt) == 1000 * 4
     assert unit_gpu_bytes(u, "stream", dt) == 0
-    assert unit_host_bytes(u, "stream", dt) == (1000 * (2 + 4 + 4 + 8), 1000 * (2 + 4))
+    # one micro-batch a step: the grads stay in bf16 (host_grad_dtype); two: summed in fp32
+    assert unit_host_bytes(u, "stream", dt) == (1000 * (2 + 2 + 4 + 8), 1000 * (2 + 2))
     assert unit_host_bytes(u, "stream", dt, rounds=2) == (1000 * (4 + 4 + 4 + 8), 1000 * 4)
+    assert unit_host_bytes(u, "stream", dt, rounds=2, gpu_acc=True) == (1000 * (2 + 4 + 4 + 8), 1000 * (2 + 4))
     bf = Dtypes("bfloat16", "bfloat16", "bfloat16", "bfloat16")
     assert unit_gpu_bytes(u, "gpu", bf) == 1000 * (2 + 2 + 0 + 0 + 4)
 
@@ -105,16 +107,17 @@ def test_predict_by_hand():
     c = ModelCosts(1, 1, [lay, out], "L")
     p = prof()
     pr = predict(c, p, Dtypes(), ["stream"], ["keep"], "gpu", 1, 1, 1, 15)
-    cpu = 1e9 / 4e9 + 1e9 * 6 / 20e9  # AdamW + the fp32 -> bf16 compute copy (6 bytes at 2x memcpy)
+    # torch's AdamW + the fp32 -> bf16 compute copy and the bf16 grads -> fp32 (6 bytes each at 2x memcpy)
+    cpu = 1e9 / 4e9 + 1e9 * (6 + 6) / 20e9
     h2d = 2e9 / 50e9
     fwd = 1e12 / 500e12
     bwd = 2e12 / 500e12
-    d2h = 4e9 / (70e9 * 0.5)  # fp32 grads
+    d2h = 2e9 / (70e9 * 0.5)  # bf16 grads (one micro-batch a step: host_grad_dtype)
     # the only layer stays in its slot for the backward: no refetch
     assert pr.step_s == pytest.approx(cpu + h2d + fwd + bwd + d2h)
     # the phases: forward, backward (one round), GPU optimizer (no GPU units here)
     assert pr.phase_s == pytest.approx([cpu + h2d + fwd, bwd + d2h, 0.0])
-    assert pr.h2d_bytes == 2e9 and pr.d2h_bytes == 4e9
+    assert pr.h2d_bytes == 2e9 and pr.d2h_bytes == 2e9
     # the outer's forward (head + loss) runs after the last block, not under the layer's CPU step
     # and copy: it adds to the forward phase in full
     c.units[1] = UnitCosts("outer", "outer", 0, {}, 1e11, 0.0, 0, 0, 0)
@@ -185,8 +188,9 @@ def test_cpu_adam_rate_of_the_states_dtype():
     f32_cpu = predict(c, p, Dtypes(), ["stream"], ["keep"], "gpu", 1, 1, 1, 16).cpu_s
     bf_cpu = predict(c, p, bf, ["stream"], ["keep"], "gpu", 1, 1, 1, 16).cpu_s
     # AdamW + the new bf16 compute copy of the fp32 master (read 4, write 2 bytes/param, at twice
-    # the memcpy rate: it counts bytes copied, each read and written)
-    assert f32_cpu == pytest.approx(10**9 / 4.0e9 + 10**9 * (4 + 2) / 20e9)
+    # the memcpy rate: it counts bytes copied, each read and written) and the bf16 grads converted
+    # to fp32 for torch's AdamW (read 2, write 4)
+    assert f32_cpu == pytest.approx(10**9 / 4.0e9 + 10**9 * (4 + 2 + 2 + 4) / 20e9)
     assert bf_cpu == pytest.approx(10**9 / 6.0e9)
 
 
@@ -730,7 +734,7 @@ def test_micro_batch_search_respects_budgets_and_is_monotone():
     meta = meta_model(small_llama())
     costs_of = {mb: measure_costs(meta, mb, 2048, loss_chunk_tokens=1024) for mb in (4, 2, 1)}
     last, chosen = None, []
-    for gib in (1.2, 1.5, 2, 3, 4, 6, 8, 12, 24):
+    for gib in (1.1, 1.2, 1.5, 2, 3, 4, 6, 8, 12, 24):
         try:
             plan, c = solve_micro_batches(costs_of, 4, prof(), Dtypes(), int(gib * GiB), 64 * GiB, 15, depths=(1, 2))
         except ConfigError as e:
@@ -784,12 +788,18 @@ def test_mamba2_costs_need_float32_and_the_error_says_so():
 
 
 def test_grad_conversion_to_master_dtype_is_costed(costs):
-    """bf16 grads, fp32 master: each host unit's grads are converted (read 2 + write 4 bytes/param
-    at twice the host memcpy rate) before the CPU AdamW, into one buffer as large as the largest unit."""
+    """bf16 grads, fp32 master (two micro-batches a step, summed on the host): each host unit's
+    grads are converted (read 2 + write 4 bytes/param at twice the host memcpy rate) before
+    torch's CPU AdamW, into one buffer as large as the largest unit. With one micro-batch a step
+    host grads are bf16 whatever the grad dtype (host_grad_dtype): the same plan either way."""
     p, n = prof(), len(costs.layers)
     modes, acts = ["stream"] * (n - 1) + ["gpu"], ["recompute"] * n
-    f32 = predict(costs, p, Dtypes("bfloat16", "float32", "float32", "float32"), modes, acts, "host_opt", 1, 2, 1, 15)
-    bf = predict(costs, p, Dtypes("bfloat16", "float32", "bfloat16", "float32"), modes, acts, "host_opt", 1, 2, 1, 15)
+    f32_dt, bf_dt = Dtypes("bfloat16", "float32", "float32", "float32"), Dtypes("bfloat16", "float32", "bfloat16", "float32")
+    one = [predict(costs, p, dt, modes, acts, "host_opt", 1, 2, 1, 15) for dt in (f32_dt, bf_dt)]
+    # (the "gpu" unit keeps its accumulator in the grad dtype)
+    assert [(x.host_bytes, x.d2h_bytes, x.cpu_s) for x in one] == [(one[0].host_bytes, one[0].d2h_bytes, one[0].cpu_s)] * 2
+    f32 = predict(costs, p, f32_dt, modes, acts, "host_opt", 1, 1, 2, 15)
+    bf = predict(costs, p, bf_dt, modes, acts, "host_opt", 1, 1, 2, 15)
     host_units = costs.layers[:-1] + [costs.outer]
     moved = sum(u.numel for u in host_units) * 6
     assert bf.cpu_s - f32.cpu_s == pytest.approx(moved / (2 * p.host_memcpy_gbps * 1e9))
@@ -899,29 +909,31 @@ def test_solver_offloads_activations_only_when_the_link_pays(costs):
 
 
 def test_cpu_optimizer_slowed_by_activations_sharing_host_memory():
-    """The AdamW (fp32: 4 + 2*4 + 4*4 = 28 bytes a parameter) at 4e9 params/s moves 112 GB/s, above
-    2 x memcpy (20 GB/s): the capacity is 112 GB/s; 56 GB/s of copies leave half of it, so it
-    runs 2x slower; copies that leave less than a quarter count as leaving a quarter. In predict:
-    a streamed block offloading 10 GB of activations stretches the first forward's CPU step."""
+    """The AdamW (fp32, two micro-batches a step: 4 + 2*4 + 4*4 = 28 bytes a parameter) at 4e9
+    params/s moves 112 GB/s, above 2 x memcpy (20 GB/s): the capacity is 112 GB/s; 56 GB/s of
+    copies leave half of it, so it runs 2x slower; copies that leave less than a quarter count as
+    leaving a quarter. With one micro-batch a step it reads bf16 grads (26 bytes). In predict: a
+    streamed block offloading 10 GB of activations stretches the first forward's CPU step."""
     from flame.offload.planner.cost_model import adam_traffic_bytes, cpu_contention
 
     p = prof()  # host_memcpy 10 GB/s
-    assert adam_traffic_bytes(Dtypes()) == 28
-    assert adam_traffic_bytes(Dtypes("bfloat16", "bfloat16", "bfloat16", "bfloat16")) == 14
-    assert cpu_contention(p, Dtypes(), 4e9, 56e9, 1.0) == pytest.approx(2.0)
-    assert cpu_contention(p, Dtypes(), 4e9, 0, 1.0) == 1.0
-    assert cpu_contention(p, Dtypes(), 4e9, 1e12, 1.0) == pytest.approx(4.0)
+    assert adam_traffic_bytes(Dtypes(), 2) == 28
+    assert adam_traffic_bytes(Dtypes(), 1) == 26
+    assert adam_traffic_bytes(Dtypes("bfloat16", "bfloat16", "bfloat16", "bfloat16"), 2) == 14
+    assert cpu_contention(p, Dtypes(), 2, 4e9, 56e9, 1.0) == pytest.approx(2.0)
+    assert cpu_contention(p, Dtypes(), 2, 4e9, 0, 1.0) == 1.0
+    assert cpu_contention(p, Dtypes(), 2, 4e9, 1e12, 1.0) == pytest.approx(4.0)
     # a slow AdamW (0.5e9/s: 14 GB/s) under 2 x memcpy = 20 GB/s: 5 GB/s of copies still fit
-    assert cpu_contention(p, Dtypes(), 0.5e9, 5e9, 1.0) == 1.0
+    assert cpu_contention(p, Dtypes(), 2, 0.5e9, 5e9, 1.0) == 1.0
     lay = UnitCosts("l", "layer", 10**9, {}, 1e12, 0.0, 10**10, 0, 0, act_offload_bytes=10**10)
     c = ModelCosts(1, 1, [lay, UnitCosts("outer", "outer", 0, {}, 0.0, 0.0, 0, 0, 0)], "L")
     kept = predict(c, p, Dtypes(), ["stream"], ["keep"], "gpu", 1, 1, 1, 15)
     off = predict(c, p, Dtypes(), ["stream"], ["offload"], "gpu", 1, 1, 1, 15)
-    alone = 10**9 / 4e9 + 10**9 * 6 / 20e9  # AdamW + the bf16 compute copy, as in test_predict_by_hand
+    alone = 10**9 / 4e9 + 10**9 * 12 / 20e9  # AdamW + the bf16 compute copy and grads, as in test_predict_by_hand
     assert kept.cpu_s == pytest.approx(alone)
     # first pass: CPU step, H2D 2 GB at the shared 35 GB/s, compute; the D2H 10 GB at 35 GB/s after
     first = max(alone + 2e9 / 35e9 + 1e12 / 500e12, alone + 2e9 / 35e9 + 1e12 / 500e12 + 1e10 / 35e9)
-    assert off.cpu_s == pytest.approx(alone * 112e9 / (112e9 - 1e10 / first))
+    assert off.cpu_s == pytest.approx(alone * 104e9 / (104e9 - 1e10 / first))
 
 
 def test_selective_recompute_by_hand_and_in_the_solver(costs):
@@ -961,16 +973,16 @@ def test_speculative_step_by_hand(costs):
     out = UnitCosts("outer", "outer", 0, {}, 0.0, 0.0, 0, 0, 0)
     c = ModelCosts(1, 1, [lay, out], "L")
     p = prof()
-    cpu = 1e9 / 4e9 + 1e9 * 6 / 20e9  # AdamW + the fp32 -> bf16 compute copy, as in test_predict_by_hand
+    cpu = 1e9 / 4e9 + 1e9 * 12 / 20e9  # AdamW + the compute copy and grad conversions, as in test_predict_by_hand
     backup = 1e9 * (4 + 8) / 10e9  # master and moments copied at the memcpy rate
-    h2d, fwd, bwd, d2h = 2e9 / 50e9, 1e12 / 500e12, 2e12 / 500e12, 4e9 / (70e9 * 0.5)
+    h2d, fwd, bwd, d2h = 2e9 / 50e9, 1e12 / 500e12, 2e12 / 500e12, 2e9 / (70e9 * 0.5)
     pr = predict(c, p, Dtypes(), ["stream"], ["keep"], "gpu", 1, 1, 1, 15, speculative=True)
     # the forward no longer waits; the backward ends when the CPU step after the D2H has run
     assert pr.phase_s == pytest.approx([h2d + fwd, bwd + d2h + cpu + backup, 0.0])
     assert pr.cpu_s == pytest.approx(cpu + backup)
     plain = predict(c, p, Dtypes(), ["stream"], ["keep"], "gpu", 1, 1, 1, 15)
     assert pr.host_bytes - plain.host_bytes == 1e9 * (4 + 8)
-    assert unit_host_bytes(lay, "stream", Dtypes(), spare=True)[0] == 1e9 * (2 + 4 + 4 + 8 + 12)
+    assert unit_host_bytes(lay, "stream", Dtypes(), spare=True)[0] == 1e9 * (2 + 2 + 4 + 8 + 12)
     # a run that can never redo the step (no clipping, no skipping) updates the state in place:
     # no spare bytes and nothing copied aside, the same overlap
     in_place = predict(c, p, Dtypes(), ["stream"], ["keep"], "gpu", 1, 1, 1, 15, speculative=True, spare=False)
@@ -1006,7 +1018,7 @@ def test_speculative_early_head_by_hand(costs):
     assert measure_costs(meta_model(tied), 1, 16).outer.head_numel == 0
     lay = UnitCosts("l", "layer", 10**9, {}, 1e12, 0.0, 0, 0, 0)
     p = prof(cpu_adam_one_pass=True)
-    bwd, d2h, cpu = 2e12 / 500e12, 4e9 / (70e9 * 0.5), 1e9 / 4e9  # per 1e9 params: fp32 grads, one-pass AdamW
+    bwd, d2h, cpu = 2e12 / 500e12, 2e9 / (70e9 * 0.5), 1e9 / 4e9  # per 1e9 params: bf16 grads, one-pass AdamW
 
     def run(head_numel, outer="host_opt", rounds=1, speculative=True):
         out = UnitCosts("outer", "outer", 10**9, {}, 0.0, 0.0, 0, 0, 0, head_numel=head_numel)
@@ -1037,7 +1049,7 @@ def test_one_pass_cpu_adamw_by_hand():
     c = ModelCosts(1, 1, [lay, out], "L")
     p = prof(cpu_adam_one_pass=True)
     cpu = 1e9 / 4e9
-    h2d, fwd, bwd, d2h = 2e9 / 50e9, 1e12 / 500e12, 2e12 / 500e12, 4e9 / (70e9 * 0.5)
+    h2d, fwd, bwd, d2h = 2e9 / 50e9, 1e12 / 500e12, 2e12 / 500e12, 2e9 / (70e9 * 0.5)
     pr = predict(c, p, Dtypes(), ["stream"], ["keep"], "gpu", 1, 1, 1, 15, speculative=True)
     assert pr.phase_s == pytest.approx([h2d + fwd, bwd + d2h + cpu, 0.0])
     assert pr.cpu_s == pytest.approx(cpu)

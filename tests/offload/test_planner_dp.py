@@ -7,7 +7,7 @@ import pytest
 from flame.errors import ConfigError
 from flame.offload import check_parallel_dims
 from flame.offload.planner.block_costs import ModelCosts, UnitCosts
-from flame.offload.planner.cost_model import (CONV_CHUNK, DEFAULT_COLLECTIVE_GBPS, Dtypes, collective_s, predict,
+from flame.offload.planner.cost_model import (DEFAULT_COLLECTIVE_GBPS, Dtypes, collective_s, predict,
                                               static_gpu_bytes, unit_gpu_bytes, unit_host_bytes)
 from flame.offload.planner.solver import solve
 from test_planner import GiB, costs, prof  # noqa: F401 (costs: the module fixture)
@@ -15,8 +15,8 @@ from test_planner import GiB, costs, prof  # noqa: F401 (costs: the module fixtu
 
 def test_shard_bytes_by_hand():
     u = UnitCosts("b", "layer", 1001, {}, 0, 0, 0, 0, 0)  # odd: padded to 1002, shards of 501
-    dt = Dtypes()  # bf16 compute, fp32 master/grads/moments
-    assert unit_host_bytes(u, "stream", dt, world=2) == (501 * (2 + 4 + 4 + 8), 501 * (2 + 4))
+    dt = Dtypes()  # bf16 compute, fp32 master/grads/moments (one micro-batch a step: bf16 host grads)
+    assert unit_host_bytes(u, "stream", dt, world=2) == (501 * (2 + 2 + 4 + 8), 501 * (2 + 2))
     assert unit_host_bytes(u, "host_opt", dt, rounds=2, world=2) == (501 * (4 + 4 + 4 + 8), 501 * 4)
     # host_opt: the full gathered copy and full grad (padded) + the bf16 grad shard
     assert unit_gpu_bytes(u, "host_opt", dt, world=2) == 1002 * 2 * 2 + 501 * 2
@@ -27,7 +27,10 @@ def test_shard_bytes_by_hand():
     assert unit_gpu_bytes(u, "gpu", dt, world=2) == unit_gpu_bytes(u, "gpu", dt) == 1001 * (2 + 2 + 4 + 4 + 8)
     s = static_gpu_bytes([u, u], ["stream", "host_opt"], dt, depth=1, rounds=1, world=2)
     assert s["slots"] == 4 * 1002 * 2 and s["grad_slots"] == 2 * 1002 * 2
-    assert s["shards"] == 2 * 501 * 2 and s["conversion"] == 2 * 501 * 4
+    assert s["shards"] == 2 * 501 * 2 and s["conversion"] == 0  # bf16 grads go to the host as they are
+    two = static_gpu_bytes([u, u], ["stream", "host_opt"], Dtypes("float32", "float32", "bfloat16", "float32"),
+                           depth=1, rounds=1, world=2)
+    assert two["conversion"] == 2 * 501 * 2  # fp32 compute, bf16 grads: converted on the GPU in chunks
     assert s["compute"] == s["grads"] == 1002 * 2
 
 
@@ -49,17 +52,18 @@ def test_predict_two_ranks_by_hand():
     p = prof(allgather_gbps=200.0, reducescatter_gbps=100.0)
     pr = predict(_one_layer(10**9, "stream"), p, Dtypes(), ["stream"], ["keep"], "gpu", 1, 1, 1, 15, world=2)
     n = 5e8
-    cpu = n / 4e9 + n * 6 / 20e9
+    cpu = n / 4e9 + n * 12 / 20e9  # torch's AdamW + the compute copy and grad conversions
     h2d = n * 2 / 50e9
     ag = 0.5 * 2e9 / 200e9  # the full bf16 layer gathered
     fwd, bwd = 1e12 / 500e12, 2e12 / 500e12
     rs = 0.5 * 2e9 / 100e9
-    d2h = n * 4 / (70e9 * 0.5)
+    d2h = n * 2 / (70e9 * 0.5)  # bf16 grads
     assert pr.step_s == pytest.approx(cpu + h2d + ag + fwd + bwd + rs + d2h)
-    assert pr.h2d_bytes == n * 2 and pr.d2h_bytes == n * 4
-    assert (pr.host_bytes, pr.pinned_bytes) == (n * 18, n * 6)
+    assert pr.h2d_bytes == n * 2 and pr.d2h_bytes == n * 2
+    # + the torch AdamW's fp32 grad scratch (the largest unit's shard)
+    assert (pr.host_bytes, pr.pinned_bytes) == (n * 16 + n * 4, n * 4)
     assert pr.static_gpu["slots"] == 4 * 10**9 * 2 and pr.static_gpu["shards"] == n * 2
-    assert pr.static_gpu["conversion"] == 2 * CONV_CHUNK * 4
+    assert pr.static_gpu["conversion"] == 0
     # without measured bandwidths: the documented default for both collectives
     pd = predict(_one_layer(10**9, "stream"), prof(), Dtypes(), ["stream"], ["keep"], "gpu", 1, 1, 1, 15, world=2)
     assert pd.step_s == pytest.approx(cpu + h2d + fwd + bwd + d2h + 2 * 0.5 * 2e9 / (DEFAULT_COLLECTIVE_GBPS * 1e9))

@@ -115,6 +115,15 @@ MEMORY_CATEGORIES = ("compute", "grads", "grad_acc", "master", "moments", "slots
                      "shards")
 
 
+def host_grad_dtype(dt: Dtypes, rounds: int) -> str:
+    """The dtype host units' grads reach and stay on the host in. With one micro-batch a step
+    nothing sums them after autograd wrote them in the compute dtype (a data-parallel
+    reduce-scatter sums in that dtype too), so a wider grad dtype would hold the same values: they
+    stay in the compute dtype, exactly, in fewer bytes to copy, keep and read. With more
+    micro-batches they are summed in the grad dtype."""
+    return dt.compute if rounds == 1 and DTYPE_BYTES[dt.compute] < DTYPE_BYTES[dt.grad] else dt.grad
+
+
 def gpu_acc_extra(mode: str, dt: Dtypes) -> int:
     """Bytes/param of a host unit's GPU grad accumulator (rounds > 1): a host_opt unit whose grads
     are already in grad dtype accumulates in its own grad buffer, at no extra memory."""
@@ -166,7 +175,7 @@ def static_gpu_bytes(units: list[UnitCosts], modes: list[str], dt: Dtypes, depth
         out["grad_slots"] = 2 * max(padded_numel(u.trainable_numel, world) for u, m in zip(units, modes)
                                     if m == "stream") * dt.c
     host = [shard_numel(u.trainable_numel, world) for u, m in zip(units, modes) if m != "gpu"]
-    g = DTYPE_BYTES[dt.grad]
+    g = DTYPE_BYTES[host_grad_dtype(dt, rounds)]
     if host and rounds == 1 and g != dt.c:
         out["conversion"] = 2 * min(CONV_CHUNK, max(host)) * g
     return out
@@ -179,10 +188,11 @@ def effective_accs(modes: list[str], accs: list[bool] | None, rounds: int) -> li
     return [rounds > 1 and m != "gpu" and i < len(accs) and bool(accs[i]) for i, m in enumerate(modes)]
 
 
-def grad_conversion_bytes(dt: Dtypes) -> int:
+def grad_conversion_bytes(dt: Dtypes, rounds: int) -> int:
     """Bytes/param the CPU optimizer moves converting grads to the master dtype (read + write;
     0 when they already are)."""
-    return 0 if dt.grad == dt.master else DTYPE_BYTES[dt.grad] + DTYPE_BYTES[dt.master]
+    g = host_grad_dtype(dt, rounds)
+    return 0 if g == dt.master else DTYPE_BYTES[g] + DTYPE_BYTES[dt.master]
 
 
 def speculative_spare_bytes(dt: Dtypes) -> int:
@@ -198,7 +208,7 @@ def unit_host_bytes(u: UnitCosts, mode: str, dt: Dtypes, rounds: int = 1, gpu_ac
         return 0, 0
     # a frozen parameter is its compute copy alone: no grad buffers, master copy or moments
     n, t = shard_numel(u.numel, world), shard_numel(u.trainable_numel, world)
-    g = DTYPE_BYTES[dt.grad]
+    g = DTYPE_BYTES[host_grad_dtype(dt, rounds)]
     spare_pinned = t * dt.c if spare and not dt.master_extra else 0
     spare = t * speculative_spare_bytes(dt) if spare else 0
     # a spare master that takes turns with the master as the pinned compute copy is pinned too
@@ -301,18 +311,19 @@ def duplex_shares(prof: HardwareProfile) -> tuple[float, float]:
     return share * prof.h2d_gbps, share * prof.d2h_gbps
 
 
-def adam_traffic_bytes(dt: Dtypes) -> int:
+def adam_traffic_bytes(dt: Dtypes, rounds: int) -> int:
     """Host memory bytes the fused AdamW moves per parameter: reads the grad, reads and writes the
     master and both moments."""
-    return DTYPE_BYTES[dt.grad] + 2 * DTYPE_BYTES[dt.master] + 4 * DTYPE_BYTES[dt.moment]
+    return DTYPE_BYTES[host_grad_dtype(dt, rounds)] + 2 * DTYPE_BYTES[dt.master] + 4 * DTYPE_BYTES[dt.moment]
 
 
-def cpu_contention(prof: HardwareProfile, dt: Dtypes, cpu_rate: float, copy_bytes: float, window_s: float) -> float:
+def cpu_contention(prof: HardwareProfile, dt: Dtypes, rounds: int, cpu_rate: float, copy_bytes: float,
+                   window_s: float) -> float:
     """How much slower the CPU optimizer runs while `copy_bytes` cross PCIe from/to host memory over
     `window_s` seconds (>= 1; see predict)."""
     if copy_bytes <= 0 or window_s <= 0:
         return 1.0
-    need = adam_traffic_bytes(dt) * cpu_rate
+    need = adam_traffic_bytes(dt, rounds) * cpu_rate
     capacity = max(2 * prof.host_memcpy_gbps * 1e9, need)
     room = max(capacity - copy_bytes / window_s, 0.25 * capacity)
     return max(1.0, need / room)
@@ -374,7 +385,7 @@ def state_memory(costs: ModelCosts, dt: Dtypes, layer_modes, outer_mode: str, de
         pinned += p
     if rounds > 1 and any(m != "gpu" and not a for m, a in zip(modes, accs)):
         host += HOST_MATH_CHUNK * 4  # the host adds' float32 scratch chunk (runtime.host_math)
-    if grad_conversion_bytes(dt):  # the CPU optimizer's one master-dtype grad buffer (largest host unit)
+    if grad_conversion_bytes(dt, rounds):  # the CPU optimizer's one master-dtype grad buffer (largest host unit)
         host += max((shard_numel(u.trainable_numel, world) for u, m in zip(units, modes) if m != "gpu"), default=0) \
             * DTYPE_BYTES[dt.master]
     return StateMemory(static, host, pinned)
@@ -477,7 +488,7 @@ def predict(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, layer_modes, l
     # and writes at about that rate on a host whose memcpy rate was measured.
     # flame's one-pass kernel (a profile measured with it) does all of it in the measured pass.
     conv = 0 if prof.cpu_adam_one_pass else dt.master_extra and (dt.master_extra + c)
-    gconv = 0 if prof.cpu_adam_one_pass else grad_conversion_bytes(dt)
+    gconv = 0 if prof.cpu_adam_one_pass else grad_conversion_bytes(dt, rounds)
     host_acc = [m != "gpu" and rounds > 1 and not a for m, a in zip(modes, accs)]
     cpu_t = [n / cpu_rate + n * (conv + gconv) / (2 * memcpy) if m != "gpu" else 0.0 for n, m in zip(tn, modes)]
     # speculative: the same CPU work, queued on the CPU worker after the unit's last D2H of the
@@ -509,9 +520,9 @@ def predict(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, layer_modes, l
     # write accumulator) on the compute stream (sharded: always separate, the shard's size)
     add_t = [n * (c + 2 * g) / (prof.hbm_gbps * 1e9) if a and (world > 1 or gpu_acc_extra(m, dt)) else 0.0
              for n, m, a in zip(tn, modes, accs)]
-    # bytes per param crossing D2H and in which rounds: grad dtype once a step when converted on
-    # the GPU (one round) or accumulated there; otherwise compute dtype every round
-    wire = [g if rounds == 1 or a else c for a in accs]
+    # bytes per param crossing D2H and in which rounds: once a step in the host grad dtype (one
+    # round) or the grad dtype when accumulated on the GPU; otherwise compute dtype every round
+    wire = [DTYPE_BYTES[host_grad_dtype(dt, rounds)] if rounds == 1 else g if a else c for a in accs]
     n = len(layers)
     phases = []
     h2d_bytes = d2h_bytes = 0
@@ -574,7 +585,7 @@ def predict(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, layer_modes, l
     # it first, and the CPU work stretches when the AdamW's traffic no longer fits in the rest.
     # The weights' H2D reads are left out of this term: beside them alone the AdamW's rate stays
     # within its step-to-step spread; activations copied to the host in bulk slow it measurably.
-    slow = cpu_contention(prof, dt, cpu_rate, sum(off), phases[0])
+    slow = cpu_contention(prof, dt, rounds, cpu_rate, sum(off), phases[0])
     if slow > 1.0:  # (speculative: no CPU work in the forward, nothing changes)
         cpu_t = [t * slow for t in cpu_t]
         phases[0] = _flow([(a * slow, b, cc, d) for a, b, cc, d in fw0], depth, gates)

@@ -24,7 +24,7 @@ from flame.errors import ConfigError
 from flame.offload.planner.block_costs import ModelCosts
 from flame.offload.planner.budgets import reserved_peak_bytes
 from flame.offload.planner.cost_model import (DTYPE_BYTES, Dtypes, Prediction, activation_memory, combine_memory,
-                                              duplex_shares, offload_bytes, predict, state_memory, unit_times)
+                                              duplex_shares, host_grad_dtype, offload_bytes, predict, state_memory, unit_times)
 from flame.offload.planner.hardware import HardwareProfile
 from flame.offload.planner.plan import Plan
 
@@ -365,6 +365,12 @@ def _binding(plan: Plan, prof: HardwareProfile) -> str:
     return f"{what}; step bound by {bound}"
 
 
+def host_grads_note(plan: Plan) -> str:
+    """Where host units' grads are kept in another dtype than `grad` (cost_model.host_grad_dtype)."""
+    host = host_grad_dtype(Dtypes(**plan.dtypes), plan.rounds)
+    return f" (host grads kept in {host}: one micro-batch a step, nothing to sum)" if host != plan.dtypes["grad"] else ""
+
+
 def describe(plan: Plan, costs: ModelCosts) -> str:
     """Human-readable plan: one line per run of equal block decisions, then the prediction."""
     pr = plan.predicted
@@ -372,7 +378,7 @@ def describe(plan: Plan, costs: ModelCosts) -> str:
     lines = [f"offload plan: {len(plan.layer_modes)} blocks ({costs.layer_class}), micro-batch {plan.micro_batch}x{plan.seq_len}, "
              f"{plan.rounds} round(s)/step, prefetch depth {plan.prefetch_depth}, CPU threads {plan.cpu_threads}"
              + (f", host state sharded over {plan.world} ranks (bytes per rank)" if plan.world > 1 else ""),
-             f"  dtypes: {plan.dtypes}",
+             f"  dtypes: {plan.dtypes}" + host_grads_note(plan),
              f"  outer (embeddings/norm/head, {costs.outer.numel / 1e6:.0f}M params"
              + (f" with the adapters, {costs.outer.trainable_numel / 1e6:.0f}M trainable" if costs.outer.frozen_numel else "")
              + f"): {plan.outer_mode}"

@@ -44,7 +44,7 @@ import torch.nn as nn
 
 from flame.errors import ConfigError
 from flame.models.blocks import clean_name, find_blocks
-from flame.offload.planner.cost_model import ACT_MODES
+from flame.offload.planner.cost_model import ACT_MODES, Dtypes, host_grad_dtype
 from flame.offload.planner.plan import Plan
 from flame.offload.runtime.activations import HostActivations
 from flame.offload.runtime.collectives import comm_device, multi_rank, native
@@ -133,8 +133,9 @@ class OffloadEngine:
                                        speculative=plan.speculative_step, redo=plan.speculative_redo)
         self.schedule = WeightSchedule(self.units, self.streams, self.device, compute, plan.prefetch_depth, group,
                                        self.world, self.optimizer.wait_for)
-        self.gradients = Gradients(self.units, self.streams, self.device, compute, grad, plan.rounds, group,
-                                   self.world, self.comm_device, self.worker)
+        host_grad = DT[host_grad_dtype(Dtypes(**dts), plan.rounds)]
+        self.gradients = Gradients(self.units, self.streams, self.device, compute, grad, host_grad, plan.rounds,
+                                   group, self.world, self.comm_device, self.worker)
         if plan.speculative_step:
             self.gradients.on_sent = self.optimizer.speculate
         for mod in model.modules():  # buffers (rotary tables, ...) live on the compute device

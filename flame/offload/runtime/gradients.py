@@ -66,10 +66,13 @@ class UnitGrads:
 
 class Gradients:
     def __init__(self, units: list[Unit], streams: Streams, device: torch.device, compute_dtype: torch.dtype,
-                 grad_dtype: torch.dtype, rounds: int, group, world: int, comm_device: torch.device,
-                 worker: CpuWorker):
+                 grad_dtype: torch.dtype, host_grad_dtype: torch.dtype, rounds: int, group, world: int,
+                 comm_device: torch.device, worker: CpuWorker):
+        """`grad_dtype`: the dtype grads are summed in over micro-batches (and gpu units' grads
+        kept in); `host_grad_dtype`: the dtype host units' grads of one micro-batch a step reach
+        the host in (cost_model.host_grad_dtype)."""
         self.units, self.s, self.device = units, streams, device
-        self.compute_dtype, self.grad_dtype = compute_dtype, grad_dtype
+        self.compute_dtype, self.grad_dtype, self.host_grad_dtype = compute_dtype, grad_dtype, host_grad_dtype
         self.rounds = rounds
         self.direct = rounds == 1  # one micro-batch a step: grads go straight into the accumulator
         self.round = 0  # micro-batches run since the last optimizer step
@@ -91,10 +94,10 @@ class Gradients:
     # ------------------------------------------------------------------ buffers
     def build_conversion(self) -> None:
         host_units = [u for u in self.units if u.mode != "gpu" and not u.frozen]
-        if self.direct and host_units and self.grad_dtype != self.compute_dtype:
+        if self.direct and host_units and self.host_grad_dtype != self.compute_dtype:
             # two rotating chunk buffers for the GPU-side grad conversion before D2H
             n = min(CONV_CHUNK, max(u.shard_numel for u in host_units))
-            self.conversion = [torch.empty(n, dtype=self.grad_dtype, device=self.device) for _ in range(2)]
+            self.conversion = [torch.empty(n, dtype=self.host_grad_dtype, device=self.device) for _ in range(2)]
 
     def build_slots(self) -> None:
         stream_units = [u for u in self.units if u.mode == "stream" and not u.frozen]
@@ -109,9 +112,10 @@ class Gradients:
         if self.direct and not u.sharded and not u.accumulate_on_gpu:
             self._cut_pieces(u)
         if self.direct or u.accumulate_on_gpu:
-            # grads arrive on the host once a step already in grad dtype (converted or
-            # accumulated on the GPU), straight into the accumulator the CPU AdamW reads
-            g.staging = torch.zeros(u.shard_numel, dtype=self.grad_dtype)
+            # grads arrive on the host once a step already in their host dtype (as autograd wrote
+            # them, converted or accumulated on the GPU), straight into the accumulator the CPU
+            # AdamW reads
+            g.staging = torch.zeros(u.shard_numel, dtype=self.host_grad_dtype if self.direct else self.grad_dtype)
             g.accumulator = g.staging
         else:
             g.staging = torch.zeros(u.shard_numel, dtype=self.compute_dtype)
