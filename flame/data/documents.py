@@ -158,8 +158,10 @@ class RowLocator:
 class BadRows:
     """Decodes one source's raw text rows under ``training.bad_document_policy``."""
 
-    def __init__(self, locate: RowLocator, policy: str):
+    def __init__(self, locate: RowLocator, policy: str, found_at_open: int = 0):
         self.locate, self.policy = locate, policy
+        # bad rows met before reading (.txt files are checked when opened): counted once, not saved
+        self.found_at_open = found_at_open
         self._logged = False  # one log line per source and process; the consumers count them all
 
     def decode(self, raw: bytes | None, row: int) -> tuple[str | None, bool]:

@@ -138,7 +138,13 @@ class FlameDataLoader(ParallelAwareDataloader):
 
     def bad_document_counts(self) -> dict[str, int]:
         """Bad rows (not valid UTF-8; skipped or replaced) met per source so far (as above)."""
-        return gstate.summary(self._local_view())["bad_documents"]
+        return self._bad_counts(self._local_view())
+
+    def _bad_counts(self, state: dict) -> dict[str, int]:
+        # plus those found when the sources were opened (.txt files): every run finds them again, so
+        # they are not in the saved state
+        opened = [s.bad_rows.found_at_open if s.bad_rows is not None else 0 for s in self.packed.sources]
+        return dict(zip(state["sources"], (a + b for a, b in zip(gstate.bad_totals(state), opened))))
 
     def _log_tokens(self, g: dict) -> None:
         summary = gstate.summary(g)
@@ -146,7 +152,7 @@ class FlameDataLoader(ParallelAwareDataloader):
         if not any(counts.values()):
             return  # nothing read yet (e.g. the template DCP asks for before loading)
         line = "dataloader tokens per source: " + ", ".join(f"{k}={v:,}" for k, v in counts.items())
-        bad = {k: v for k, v in summary["bad_documents"].items() if v}
+        bad = {k: v for k, v in self._bad_counts(g).items() if v}
         if bad:
             policy = self.packed.opts.bad_document_policy
             line += f"; bad rows ({policy}): " + ", ".join(f"{k}={v:,}" for k, v in bad.items())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import logging
 import os
 from typing import Any, Iterator, Sequence
 
@@ -73,19 +74,20 @@ def source_files(spec: SourceSpec) -> tuple[str | None, list[str]]:
     return None, []
 
 
-def _check_text_files(name: str, files: list[str], policy: str) -> list[str]:
-    """The .txt files to read: datasets decodes them while loading (no row to skip later), so
-    bad ones are found here, one file (one document) at a time."""
-    keep = []
+def _check_text_files(name: str, files: list[str], policy: str) -> tuple[list[str], int]:
+    """(the .txt files to read, how many are bad): datasets decodes them while loading (no row to
+    skip later), so bad ones are found here, one file (one document) at a time."""
+    keep, bad_files = [], 0
     for f in files:
         with open(f, "rb") as fh:
             raw = fh.read()
-        text, _bad = BadRows(RowLocator(name, "text", [f], None), policy).decode(raw, 0)
+        text, bad = BadRows(RowLocator(name, "text", [f], None), policy).decode(raw, 0)
+        bad_files += bad
         if text is not None:
             keep.append(f)
     if not keep:
         raise ConfigError(f"training.dataset: every file of {files[:3]} is skipped as not valid UTF-8")
-    return keep
+    return keep, bad_files
 
 
 def open_hf(spec: SourceSpec, split: str, streaming: bool, role: str, bad_document_policy: str = "skip",
@@ -99,7 +101,7 @@ def open_hf(spec: SourceSpec, split: str, streaming: bool, role: str, bad_docume
     if files is None:
         builder, files = source_files(spec)
         if builder == "text":
-            files = _check_text_files(spec.path, files, bad_document_policy)
+            files, _bad = _check_text_files(spec.path, files, bad_document_policy)
     else:
         builder, files = files
     if builder is not None:
@@ -112,16 +114,23 @@ def open_hf(spec: SourceSpec, split: str, streaming: bool, role: str, bad_docume
             kwargs["encoding_errors"] = "replace"
     if os.path.isdir(path) and (os.path.isfile(os.path.join(path, "dataset_dict.json"))
                                 or os.path.isfile(os.path.join(path, "state.json"))):
-        ds = datasets.load_from_disk(path)
+        with _load_errors(spec):
+            ds = datasets.load_from_disk(path)
         if isinstance(ds, datasets.DatasetDict):
             ds = ds[_pick_split(list(ds.keys()), split, role, spec)]
         return ds.to_iterable_dataset() if streaming else ds
     hub = not os.path.exists(path) and path not in _BUILDER_NAMES
+    # Hub ids are read from the local cache (no download, no network retries) unless streaming.
+    with _load_errors(spec), _hub_offline() if hub and not streaming else contextlib.nullcontext():
+        return _load(datasets, path, spec, split, streaming, role, kwargs)
+
+
+@contextlib.contextmanager
+def _load_errors(spec: SourceSpec):
+    """datasets' errors while reading ``spec`` (loading it, or a stream's first row) as one ConfigError."""
     try:
-        # Hub ids are read from the local cache (no download, no network retries) unless streaming.
-        ctx = _hub_offline() if hub and not streaming else contextlib.nullcontext()
-        with ctx:
-            return _load(datasets, path, spec, split, streaming, role, kwargs)
+        with _quiet_load():
+            yield
     except ConfigError:
         raise
     except StopIteration:
@@ -132,6 +141,38 @@ def open_hf(spec: SourceSpec, split: str, streaming: bool, role: str, bad_docume
         if type(e).__module__.startswith(("datasets", "huggingface_hub", "requests", "httpx")):
             raise _load_error(spec, e) from None
         raise
+
+
+class _Held(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@contextlib.contextmanager
+def _quiet_load():
+    """datasets' progress bars off and its log records held back while a source loads (shown once it
+    has loaded): a source that fails to load (a JSONL line that is not JSON), or loads but lacks the
+    columns flame reads, is then flame's one error line alone, not after datasets' ERROR lines
+    (which say what that line says) and "Generating train split" bars."""
+    import datasets.utils.logging as dlog
+
+    lib = dlog.get_logger()  # "datasets": its modules' loggers propagate to it
+    held = _Held()
+    saved = lib.handlers, lib.propagate, dlog.is_progress_bar_enabled()
+    lib.handlers, lib.propagate = [held], False
+    dlog.disable_progress_bar()
+    try:
+        yield
+    finally:
+        lib.handlers, lib.propagate = saved[0], saved[1]
+        if saved[2]:
+            dlog.enable_progress_bar()
+    for record in held.records:  # loaded: its warnings are worth seeing
+        lib.handle(record)
 
 
 @contextlib.contextmanager
@@ -464,15 +505,17 @@ def open_source(spec: SourceSpec, tokenizer: Any, text_column: str | None, strea
             return MapSource(spec.path, reader=reader, rows=rows)
         return MapSource(spec.path, reader=reader, exclude=exclude)
     builder, files = source_files(spec)
+    bad_files = 0
     if builder == "text":
-        files = _check_text_files(spec.path, files, bad_document_policy)
+        files, bad_files = _check_text_files(spec.path, files, bad_document_policy)
     ds = open_hf(spec, split, streaming, role, bad_document_policy, files=(builder, files))
     num_rows = None if streaming else len(ds)
-    bad_rows = BadRows(RowLocator(spec.path, builder, files, num_rows), bad_document_policy)
+    bad_rows = BadRows(RowLocator(spec.path, builder, files, num_rows), bad_document_policy, found_at_open=bad_files)
     if streaming:
         columns = list(ds.column_names or [])
         if not columns:
-            first = next(iter(ds), None)
+            with _load_errors(spec):
+                first = next(iter(ds), None)
             if first is None:
                 raise ConfigError(f"training.dataset: {spec.path!r} is empty (0 documents)")
             columns = list(first.keys())

@@ -47,6 +47,17 @@ def write_jsonl(path: Path, texts: list[str], column: str = "text") -> str:
     return str(path)
 
 
+def assert_quiet(capfd, caplog) -> None:
+    """Nothing printed and no log record of ``datasets`` (the caller checks flame's own error), and
+    datasets' progress bars and logging as they were (on, as a first-time user has them)."""
+    import datasets.utils.logging as dlog
+
+    out, err = capfd.readouterr()
+    assert out + err == "", (out, err)
+    assert not [r.getMessage() for r in caplog.records if r.name.startswith("datasets")]
+    assert dlog.is_progress_bar_enabled() and dlog.get_logger().propagate
+
+
 def build(tok, rank: int = 0, world: int = 1, **kw):
     kw.setdefault("extra", {"trace": True})
     return build_dataloader_from_options(options_for_test(**kw), tok, rank, world)

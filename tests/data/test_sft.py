@@ -3,9 +3,10 @@
 import json
 import logging
 
+import datasets
 import pytest
 import torch
-from flame_data_testlib import REPO, assert_no_overlap, build, coverage, same_batches, take
+from flame_data_testlib import REPO, assert_no_overlap, assert_quiet, build, coverage, same_batches, take
 
 from flame.data.chat import BadConversation, ChatRenderer, messages_of
 from flame.data.loader import STATE_KEY
@@ -141,10 +142,12 @@ def test_a_conversation_the_template_refuses_is_a_bad_row():
         render([HAND[1], HAND[0], HAND[1]])
 
 
-def test_a_source_of_another_format_is_one_line(tmp_path, tok):
-    data = write_rows(tmp_path / "t.jsonl", [{"text": "plain text"}])
+def test_a_source_of_another_format_is_one_line(tmp_path, tok, capfd, caplog):
+    datasets.enable_progress_bar()
+    data = write_rows(tmp_path / "t.jsonl", [{"text": "plain text"}])  # a new file: datasets converts it
     with pytest.raises(ConfigError, match="none of the columns 'messages'"):
         build(tok, dataset=data, sft=True)
+    assert_quiet(capfd, caplog)  # datasets' "Generating train split" bars came before the error line
 
 
 @pytest.mark.parametrize("varlen,streaming,world", [(True, False, 2), (False, False, 1), (True, True, 1)])

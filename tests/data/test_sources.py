@@ -2,11 +2,13 @@
 
 import json
 
+import datasets
 import numpy as np
 import pandas as pd
 import pytest
 from flame_data_testlib import (
     assert_no_overlap,
+    assert_quiet,
     build,
     check_batch_content,
     complete_docs,
@@ -158,3 +160,26 @@ def test_a_text_column_for_a_preprocessed_folder_is_named(tmp_path, tok):
     with pytest.raises(ConfigError, match="training.text_column: 'body' is not a column of .*pre-tokenized folder"):
         take(build(tok, dataset=str(out), batch_size=2, seq_len=16, text_column="body"), 1)
     take(build(tok, dataset=str(out), batch_size=2, seq_len=16, text_column="input_ids"), 1)
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_line_that_is_not_json_is_one_error_line(tmp_path, tok, capfd, caplog, streaming):
+    datasets.enable_progress_bar()
+    path = tmp_path / "broken.jsonl"
+    path.write_text('{"text": "fine"}\nnot json\n')
+    with pytest.raises(ConfigError, match=r"broken\.jsonl' could not be loaded: .*JSON parse error"):
+        build(tok, dataset=str(path), streaming=streaming)  # streaming: it was a traceback
+    assert_quiet(capfd, caplog)  # datasets printed its bars and logged the parse error (ERROR) itself
+
+
+@pytest.mark.parametrize("content", ['{"text": "fine"}\nnot json\n', '{"body": "no text column"}\n'])
+def test_preprocess_of_a_bad_file_prints_one_error_line(tmp_path, tok, capfd, content):
+    datasets.enable_progress_bar()
+    path = tmp_path / "bad.jsonl"
+    path.write_text(content)
+    assert preprocess_main(["--dataset", str(path), "--tokenizer", tok.name_or_path,
+                            "--output", str(tmp_path / "out")]) == 2
+    out, err = capfd.readouterr()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert out == "" and len(lines) == 1, err
+    assert lines[0].startswith(("flame: error: --dataset", "flame: error: --text-column")), err
