@@ -749,6 +749,25 @@ def test_micro_batch_search_respects_budgets_and_is_monotone():
     assert last is not None and chosen[0] < chosen[-1], chosen
 
 
+def test_host_shortfall_names_a_larger_micro_batch_that_lacks_only_gpu_memory():
+    """Micro-batch 4 (one round: bf16 host grads) needs more GPU than the budget, 2 and 1 (fp32
+    grads summed on the host) more host: the one error line says both, and how much GPU the
+    one-round plan needs."""
+    from flame.offload.planner.solver import HostShortfall, solve, solve_micro_batches
+
+    meta = meta_model(small_llama())
+    costs_of = {mb: measure_costs(meta, mb, 2048, loss_chunk_tokens=1024) for mb in (4, 2, 1)}
+    gpu, host = int(1.1 * GiB), int(2.8 * GiB)
+    with pytest.raises(HostShortfall) as e:
+        solve_micro_batches(costs_of, 4, prof(), Dtypes(), gpu, host, 15, depths=(1, 2))
+    one_round = solve(costs_of[4], prof(), Dtypes(), 64 * GiB, 64 * GiB, 4, 1, 15, depths=(1, 2),
+                      overrides=["weights[*]=host", "activations[*]=recompute"])
+    assert one_round.predicted["peak_host_bytes"] < host < 3.0 * GiB
+    msg = str(e.value)
+    assert msg.startswith("offload: needs 3.") and "GiB host, budget 2.8 GiB" in msg
+    assert "micro-batch 4 (1 round(s) a step) needs 1.2 GiB GPU (--offload.gpu_memory_gib)" in msg
+
+
 @pytest.mark.parametrize("family", ["gated_deltanet", "gla", "samba"])
 def test_fla_costs_measured_on_meta(family):
     """FLA models on the meta device: flame's torch implementations stand in for the Triton ops

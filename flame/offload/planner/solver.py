@@ -117,6 +117,14 @@ class HostShortfall(ConfigError):
     """No plan fits the host budget (the GPU budget would hold one)."""
 
 
+class GpuShortfall(ConfigError):
+    """No plan fits the GPU budget: the least GPU memory a plan needs is `need` bytes."""
+
+    def __init__(self, message: str, need: float):
+        super().__init__(message)
+        self.need = need
+
+
 def solve(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, gpu_budget: int, host_budget: int,
           micro_batch: int, rounds: int, cpu_threads: int, depths=(1, 2, 3), overrides: list[str] | None = None,
           allow_offload: bool = True, fudge: float = 1.0, world: int = 1, node_ranks: int = 1,
@@ -219,8 +227,8 @@ def solve(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, gpu_budget: int,
         if min_gpu is None or min_gpu > gpu_budget:
             least = "every block streamed and recomputed" if allow_offload else \
                 "offload.enable off: every block on the GPU, recomputed"
-            raise ConfigError(f"offload: needs {min_gpu / GiB:.1f} GiB GPU, budget {gpu_budget / GiB:.1f} GiB "
-                              f"({least}; --offload.gpu_memory_gib)")
+            raise GpuShortfall(f"offload: needs {min_gpu / GiB:.1f} GiB GPU, budget {gpu_budget / GiB:.1f} GiB "
+                               f"({least}; --offload.gpu_memory_gib)", min_gpu if min_gpu is not None else math.inf)
         raise HostShortfall(f"offload: needs {min_host / GiB:.1f} GiB host, budget {host_budget / GiB:.1f} GiB "
                             "(--offload.host_memory_gib; 0: the memory available now less --offload.host_margin_gib)")
     plan = best[1]
@@ -244,6 +252,7 @@ def solve_micro_batches(costs_of: dict[int, ModelCosts], step_sequences: int, pr
         raise ConfigError(f"offload: one block at micro-batch {min(costs_of)} does not fit in GPU memory "
                           "(its forward+backward ran out of memory when timed)")
     best, best_costs, missing = None, None, None
+    gpu_short: dict[int, float] = {}  # micro-batch -> the GPU bytes its least plan needs
     for mb in sorted(costs_of, reverse=True):
         if fudges is not None:
             if mb not in fudges:
@@ -253,6 +262,8 @@ def solve_micro_batches(costs_of: dict[int, ModelCosts], step_sequences: int, pr
             plan = solve(costs_of[mb], prof, dt, gpu_budget, host_budget, mb, step_sequences // mb, cpu_threads, **kw)
         except ConfigError as e:
             missing = e  # the last is the smallest micro-batch's: the closest to fitting
+            if isinstance(e, GpuShortfall):
+                gpu_short[mb] = e.need
             continue
         if best is None or plan.predicted["step_s"] < best.predicted["step_s"] - 1e-12:
             best, best_costs = plan, costs_of[mb]
@@ -260,6 +271,11 @@ def solve_micro_batches(costs_of: dict[int, ModelCosts], step_sequences: int, pr
         if shortfall_hints and isinstance(missing, HostShortfall):
             hints = _host_shortfall_hints(costs_of, step_sequences, prof, dt, gpu_budget, host_budget, cpu_threads,
                                           fudges, kw)
+            if gpu_short:
+                # a larger micro-batch (fewer rounds: less host memory) that only lacked GPU memory
+                mb = min(gpu_short, key=gpu_short.get)
+                hints.append(f"micro-batch {mb} ({step_sequences // mb} round(s) a step) needs "
+                             f"{gpu_short[mb] / GiB:.1f} GiB GPU (--offload.gpu_memory_gib)")
             if hints:
                 raise HostShortfall(f"{missing}; {'; '.join(hints)}") from None
         raise missing
