@@ -132,6 +132,12 @@ COMPILED_VARIANTS = (
     ("_checkpoint_offload_speculative", "the same with --offload.checkpoint_offload and --offload.speculative_step "
      "(clipping on: a clipped step redoes its speculative updates)",
      ("--offload.checkpoint_offload", "--offload.speculative_step")),
+    # clipping on, at a threshold the early grad norms (5-46 at 3B) stay under: every step keeps its
+    # speculative update, as steps do once a clipped run's norms fall below max_norm
+    ("_checkpoint_offload_speculative_maxnorm100", "the same with --offload.checkpoint_offload and "
+     "--offload.speculative_step, clipping at --training.max_norm 100 (no step clips here: the speed of a "
+     "clipped run's steps that do not clip; spare state in host memory)",
+     ("--offload.checkpoint_offload", "--offload.speculative_step", "--training.max_norm", "100")),
     ("_checkpoint_offload_speculative_noclip", "the same with --offload.checkpoint_offload and "
      "--offload.speculative_step, without clipping (--training.max_norm 0)",
      ("--offload.checkpoint_offload", "--offload.speculative_step", *NOCLIP)),

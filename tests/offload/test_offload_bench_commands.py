@@ -52,7 +52,7 @@ def test_flame_rows_parse_with_flames_config_manager(rows, tmp_path):
         assert cfg.offload.enable == "on" and cfg.offload.gpu_memory_gib == bench.SHAPES[r.shape].cap_gib
         assert cfg.training.compile == ("_compile" in r.name)
         assert cfg.offload.speculative_step == ("_speculative" in r.name)
-        assert cfg.training.max_norm == (0.0 if "_noclip" in r.name else 1.0)
+        assert cfg.training.max_norm == (0.0 if "_noclip" in r.name else 100.0 if "_maxnorm100" in r.name else 1.0)
         assert cfg.training.skip_nan_inf == ("_noskip" not in r.name)
         assert cfg.offload.checkpoint_offload == ("_checkpoint_offload" in r.name)
         threads = re.search(r"_t(\d+)$", r.name)
