@@ -1,6 +1,7 @@
 """Planner properties on CPU: budgets, monotonicity, infeasibility, plan files, cost arithmetic."""
 
 import dataclasses
+import math
 import re
 
 import pytest
@@ -233,9 +234,13 @@ def test_a_damaged_profile_is_one_error_naming_the_field(tmp_path, content, why)
 def test_cpu_adam_measured_per_dtype_on_this_machine():
     from flame.offload.measure.hardware import measure_cpu_adam
 
+    from flame.offload.measure.hardware import measure_out_of_place_slowdown
+
     for dt in (torch.float32, torch.bfloat16):
         r = measure_cpu_adam([1, 2], numel=1 << 18, dtype=dt, steps=2)
         assert set(r) == {"1", "2"} and all(v > 0 for v in r.values())
+    slowdown = measure_out_of_place_slowdown(numel=1 << 18, steps=2)
+    assert math.isfinite(slowdown) and slowdown >= 1.0
 
 
 def test_ranks_sharing_the_cpu_predict_a_slower_optimizer():
@@ -1072,6 +1077,13 @@ def test_one_pass_cpu_adamw_by_hand():
     pr = predict(c, p, Dtypes(), ["stream"], ["keep"], "gpu", 1, 1, 1, 15, speculative=True)
     assert pr.phase_s == pytest.approx([h2d + fwd, bwd + d2h + cpu, 0.0])
     assert pr.cpu_s == pytest.approx(cpu)
+    # the kernel writing into the spare buffers runs at the profile's out-of-place rate; in place
+    # (no spare: a run that can never redo the step) at the in-place one
+    slow = prof(cpu_adam_one_pass=True, cpu_adam_out_of_place_slowdown=1.5)
+    spare = predict(c, slow, Dtypes(), ["stream"], ["keep"], "gpu", 1, 1, 1, 15, speculative=True)
+    assert spare.phase_s == pytest.approx([h2d + fwd, bwd + d2h + 1.5 * cpu, 0.0]) and spare.cpu_s == pytest.approx(1.5 * cpu)
+    in_place = predict(c, slow, Dtypes(), ["stream"], ["keep"], "gpu", 1, 1, 1, 15, speculative=True, spare=False)
+    assert in_place.phase_s == pr.phase_s
     bf16 = Dtypes(master="bfloat16", moment="bfloat16", grad="bfloat16")
     plain_host, plain_pinned = unit_host_bytes(lay, "stream", bf16)
     host, pinned = unit_host_bytes(lay, "stream", bf16, spare=True)

@@ -53,16 +53,19 @@ def adam_bench(numel: int, dtype, grad_scale: bool = True):
     return p, opt, run
 
 
-def one_pass_bench(numel: int, dtype):
+def one_pass_bench(numel: int, dtype, out_of_place: bool = False):
     """The engine's host step with flame's one-pass kernel: `numel` random parameters with master
     and moments in `dtype`, bf16 grads scaled as by clipping, and (fp32 master) the bf16 compute
-    copy written in the same pass. Returns run(threads, steps) -> G params/s."""
+    copy written in the same pass; `out_of_place`: the new master and moments written into a second
+    set of buffers, as a speculative step that may be redone does. Returns run(threads, steps) ->
+    G params/s."""
     g = torch.Generator().manual_seed(0)
     p = torch.randn(numel, generator=g).mul_(0.02).to(dtype)
     grad = torch.randn(numel, generator=g).mul_(1e-4).to(torch.bfloat16)
     m, v = torch.zeros_like(p), torch.zeros_like(p)
     copy = torch.empty(numel, dtype=torch.bfloat16) if dtype != torch.bfloat16 else None
-    hp = dict(lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, grad_mul=0.5, compute_copy=copy)
+    out = tuple(torch.empty_like(p) for _ in range(3)) if out_of_place else None
+    hp = dict(lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, grad_mul=0.5, compute_copy=copy, out=out)
     cpu_adamw.adamw(p, grad, m, v, step=1, threads=len(os.sched_getaffinity(0)), **hp)  # first touch
 
     def run(threads: int, steps: int) -> float:
@@ -84,6 +87,17 @@ def measure_cpu_adam(threads_list=None, numel: int = 1 << 27, dtype=torch.float3
     threads_list = threads_list or sorted({1, max(1, cores // 2), max(1, cores - 1), cores})
     run = one_pass_bench(numel, dtype) if cpu_adamw.available() else adam_bench(numel, dtype)[2]
     return {str(t): run(t, steps) for t in threads_list}
+
+
+def measure_out_of_place_slowdown(numel: int = 1 << 27, steps: int = 3) -> float:
+    """In-place rate / out-of-place rate of flame's one-pass kernel (fp32 state, all cores but
+    one, as the engine's CPU worker runs); 1.0 where the kernel does not build (torch's fused
+    AdamW copies the state aside instead, which the cost model counts by its bytes)."""
+    if not cpu_adamw.available():
+        return 1.0
+    threads = max(1, len(os.sched_getaffinity(0)) - 1)
+    rates = [one_pass_bench(numel, torch.float32, out_of_place)(threads, steps) for out_of_place in (False, True)]
+    return max(1.0, rates[0] / rates[1])
 
 
 MiB = 1 << 20
@@ -193,6 +207,7 @@ def measure(gemm_shapes: list[tuple[int, int, int]] | None = None, device: str =
         pin_s_per_gib=pin_s,
         cpu_adam_bf16_gparams=measure_cpu_adam(dtype=bf),
         cpu_adam_one_pass=cpu_adamw.available(),
+        cpu_adam_out_of_place_slowdown=measure_out_of_place_slowdown(),
         cuda_context_bytes=outside_allocator_bytes(dev),
     )
 

@@ -495,7 +495,10 @@ def predict(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, layer_modes, l
     # step instead of gating its next forward; the one-pass kernel writes the spare buffers in its
     # pass, torch's in-place fused AdamW needs master and moments copied there first
     copied = 0 if prof.cpu_adam_one_pass or not spare else speculative_spare_bytes(dt)
-    spec_t = [t + n * copied / memcpy if speculative and m != "gpu" else 0.0 for t, n, m in zip(cpu_t, tn, modes)]
+    # ... and the one-pass kernel writing into the spare buffers runs at its measured out-of-place rate
+    out_of_place = prof.cpu_adam_out_of_place_slowdown if spare and prof.cpu_adam_one_pass else 1.0
+    spec_t = [t * out_of_place + n * copied / memcpy if speculative and m != "gpu" else 0.0
+              for t, n, m in zip(cpu_t, tn, modes)]
     gate_t = [0.0 if speculative else t for t in cpu_t]
     # speculative, one round, one rank: the outer's untied head is an early piece (runtime.gradients;
     # the loss's backward delivers its grad first): its D2H and its share of the outer's CPU step

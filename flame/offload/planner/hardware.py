@@ -53,6 +53,10 @@ class HardwareProfile:
     grads read and the bf16 compute copy written in the same pass), as the engine runs it when the
     kernel builds; False in profiles measured with torch's fused AdamW, whose grad conversion and
     compute copy are separate passes."""
+    cpu_adam_out_of_place_slowdown: float = 1.0
+    """How many times longer flame's one-pass kernel takes writing the new master and moments into
+    separate buffers (a speculative step that may be redone leaves the state as it was) than
+    updating them in place: fp32 state, all threads; 1.0 in profiles stored before it was measured."""
     cuda_context_bytes: int = 0
     """Device memory in use outside torch's caching allocator once the profile's kernels ran
     (CUDA context, loaded kernel modules, library handles; other processes on the GPU count too);
