@@ -119,10 +119,26 @@ def open_hf(spec: SourceSpec, split: str, streaming: bool, role: str, bad_docume
         if isinstance(ds, datasets.DatasetDict):
             ds = ds[_pick_split(list(ds.keys()), split, role, spec)]
         return ds.to_iterable_dataset() if streaming else ds
+    if builder is not None and not streaming:
+        _announce_long_load(spec, files)
     hub = not os.path.exists(path) and path not in _BUILDER_NAMES
     # Hub ids are read from the local cache (no download, no network retries) unless streaming.
     with _load_errors(spec), _hub_offline() if hub and not streaming else contextlib.nullcontext():
         return _load(datasets, path, spec, split, streaming, role, kwargs)
+
+
+# local files from this size on are announced before datasets converts them (its progress bars are
+# off while a source loads, see _quiet_load)
+ANNOUNCE_BYTES = 1 << 30
+
+
+def _announce_long_load(spec: SourceSpec, files: list[str]) -> None:
+    total = sum(os.path.getsize(f) for f in files if os.path.isfile(f))
+    if total >= ANNOUNCE_BYTES:
+        from torchtitan.tools.logging import logger
+
+        logger.info(f"dataloader: {spec.path}: converting {total / (1 << 30):.1f} GiB of files into datasets' cache "
+                    "(once: a later run with the same files reads the cache; --training.streaming reads them as they are)")
 
 
 @contextlib.contextmanager

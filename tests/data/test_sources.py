@@ -172,6 +172,24 @@ def test_a_line_that_is_not_json_is_one_error_line(tmp_path, tok, capfd, caplog,
     assert_quiet(capfd, caplog)  # datasets printed its bars and logged the parse error (ERROR) itself
 
 
+def test_a_large_local_load_is_announced(tmp_path, tok, caplog, monkeypatch):
+    """datasets' progress bars are off while a source loads: a large map-style load of local files
+    says what it does first (files from ANNOUNCE_BYTES on: lowered here to this tiny file's size)."""
+    import logging
+
+    import flame.data.sources as sources
+
+    path = tmp_path / "docs.jsonl"
+    path.write_text('{"text": "fine words"}\n')
+    with caplog.at_level(logging.INFO):
+        build(tok, dataset=str(path), streaming=False)
+    assert "converting" not in caplog.text
+    monkeypatch.setattr(sources, "ANNOUNCE_BYTES", path.stat().st_size)
+    with caplog.at_level(logging.INFO):
+        build(tok, dataset=str(path), streaming=False)
+    assert "docs.jsonl: converting 0.0 GiB of files into datasets' cache" in caplog.text
+
+
 @pytest.mark.parametrize("content", ['{"text": "fine"}\nnot json\n', '{"body": "no text column"}\n'])
 def test_preprocess_of_a_bad_file_prints_one_error_line(tmp_path, tok, capfd, content):
     datasets.enable_progress_bar()
