@@ -381,10 +381,13 @@ def _binding(plan: Plan, prof: HardwareProfile) -> str:
     return f"{what}; step bound by {bound}"
 
 
-def host_grads_note(plan: Plan) -> str:
+def host_grads_note(plan: Plan, costs: ModelCosts) -> str:
     """Where host units' grads are kept in another dtype than `grad` (cost_model.host_grad_dtype)."""
     host = host_grad_dtype(Dtypes(**plan.dtypes), plan.rounds)
-    return f" (host grads kept in {host}: one micro-batch a step, nothing to sum)" if host != plan.dtypes["grad"] else ""
+    units = zip([costs.outer] + list(costs.layers), [plan.outer_mode] + list(plan.layer_modes))
+    trained_on_host = any(m != "gpu" and u.trainable_numel for u, m in units)
+    return f" (host grads kept in {host}: one micro-batch a step, nothing to sum)" \
+        if trained_on_host and host != plan.dtypes["grad"] else ""
 
 
 def describe(plan: Plan, costs: ModelCosts) -> str:
@@ -394,7 +397,7 @@ def describe(plan: Plan, costs: ModelCosts) -> str:
     lines = [f"offload plan: {len(plan.layer_modes)} blocks ({costs.layer_class}), micro-batch {plan.micro_batch}x{plan.seq_len}, "
              f"{plan.rounds} round(s)/step, prefetch depth {plan.prefetch_depth}, CPU threads {plan.cpu_threads}"
              + (f", host state sharded over {plan.world} ranks (bytes per rank)" if plan.world > 1 else ""),
-             f"  dtypes: {plan.dtypes}" + host_grads_note(plan),
+             f"  dtypes: {plan.dtypes}" + host_grads_note(plan, costs),
              f"  outer (embeddings/norm/head, {costs.outer.numel / 1e6:.0f}M params"
              + (f" with the adapters, {costs.outer.trainable_numel / 1e6:.0f}M trainable" if costs.outer.frozen_numel else "")
              + f"): {plan.outer_mode}"
