@@ -771,6 +771,17 @@ def test_host_shortfall_names_a_larger_micro_batch_that_lacks_only_gpu_memory():
     msg = str(e.value)
     assert msg.startswith("offload: needs 3.") and "GiB host, budget 2.8 GiB" in msg
     assert "micro-batch 4 (1 round(s) a step) needs 1.2 GiB GPU (--offload.gpu_memory_gib)" in msg
+    # every micro-batch fits the GPU, none the host: the line names the least host any needs
+    # (one round's bf16 grads: micro-batch 4's), not the smallest micro-batch's
+    needs = {}
+    for mb in (4, 2, 1):
+        with pytest.raises(HostShortfall) as one:
+            solve(costs_of[mb], prof(), Dtypes(), int(1.5 * GiB), int(2.3 * GiB), mb, 4 // mb, 15, depths=(1, 2))
+        needs[mb] = one.value.need
+    assert min(needs, key=needs.get) == 4
+    with pytest.raises(HostShortfall) as e:
+        solve_micro_batches(costs_of, 4, prof(), Dtypes(), int(1.5 * GiB), int(2.3 * GiB), 15, depths=(1, 2))
+    assert e.value.need == needs[4] and str(e.value).startswith(f"offload: needs {needs[4] / GiB:.1f} GiB host")
 
 
 @pytest.mark.parametrize("family", ["gated_deltanet", "gla", "samba"])

@@ -114,7 +114,12 @@ def _apply(layer_modes, layer_acts, ov):
 
 
 class HostShortfall(ConfigError):
-    """No plan fits the host budget (the GPU budget would hold one)."""
+    """No plan fits the host budget (the GPU budget would hold one): the least host memory a plan
+    needs is `need` bytes."""
+
+    def __init__(self, message: str, need: float = math.inf):
+        super().__init__(message)
+        self.need = need
 
 
 class GpuShortfall(ConfigError):
@@ -230,7 +235,8 @@ def solve(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, gpu_budget: int,
             raise GpuShortfall(f"offload: needs {min_gpu / GiB:.1f} GiB GPU, budget {gpu_budget / GiB:.1f} GiB "
                                f"({least}; --offload.gpu_memory_gib)", min_gpu if min_gpu is not None else math.inf)
         raise HostShortfall(f"offload: needs {min_host / GiB:.1f} GiB host, budget {host_budget / GiB:.1f} GiB "
-                            "(--offload.host_memory_gib; 0: the memory available now less --offload.host_margin_gib)")
+                            "(--offload.host_memory_gib; 0: the memory available now less --offload.host_margin_gib)",
+                            min_host)
     plan = best[1]
     plan.binding = _binding(plan, prof)
     plan.predicted["compute_fudge"] = fudge  # what the calibration refits from
@@ -261,7 +267,11 @@ def solve_micro_batches(costs_of: dict[int, ModelCosts], step_sequences: int, pr
         try:
             plan = solve(costs_of[mb], prof, dt, gpu_budget, host_budget, mb, step_sequences // mb, cpu_threads, **kw)
         except ConfigError as e:
-            missing = e  # the last is the smallest micro-batch's: the closest to fitting
+            # the error closest to fitting: the least host memory any micro-batch needs (more
+            # rounds need fp32 grads on the host), else the smallest micro-batch's (the last)
+            host_closer = isinstance(e, HostShortfall) and isinstance(missing, HostShortfall) and e.need < missing.need
+            if not isinstance(missing, HostShortfall) or host_closer:
+                missing = e
             if isinstance(e, GpuShortfall):
                 gpu_short[mb] = e.need
             continue
@@ -277,7 +287,7 @@ def solve_micro_batches(costs_of: dict[int, ModelCosts], step_sequences: int, pr
                 hints.append(f"micro-batch {mb} ({step_sequences // mb} round(s) a step) needs "
                              f"{gpu_short[mb] / GiB:.1f} GiB GPU (--offload.gpu_memory_gib)")
             if hints:
-                raise HostShortfall(f"{missing}; {'; '.join(hints)}") from None
+                raise HostShortfall(f"{missing}; {'; '.join(hints)}", missing.need) from None
         raise missing
     return best, best_costs
 
