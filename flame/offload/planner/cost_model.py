@@ -525,7 +525,7 @@ def predict(costs: ModelCosts, prof: HardwareProfile, dt: Dtypes, layer_modes, l
              for n, m, a in zip(tn, modes, accs)]
     # bytes per param crossing D2H and in which rounds: once a step in the host grad dtype (one
     # round) or the grad dtype when accumulated on the GPU; otherwise compute dtype every round
-    wire = [DTYPE_BYTES[host_grad_dtype(dt, rounds)] if rounds == 1 else g if a else c for a in accs]
+    wire = [DTYPE_BYTES[host_grad_dtype(dt, rounds)] if rounds == 1 or a else c for a in accs]
     n = len(layers)
     phases = []
     h2d_bytes = d2h_bytes = 0

@@ -257,8 +257,8 @@ def solve_micro_batches(costs_of: dict[int, ModelCosts], step_sequences: int, pr
     if fudges is not None and not fudges:
         raise ConfigError(f"offload: one block at micro-batch {min(costs_of)} does not fit in GPU memory "
                           "(its forward+backward ran out of memory when timed)")
-    best, best_costs, missing = None, None, None
-    gpu_short: dict[int, float] = {}  # micro-batch -> the GPU bytes its least plan needs
+    best, best_costs = None, None
+    failed: list[tuple[int, ConfigError]] = []  # (micro-batch, why no plan fits it), largest first
     for mb in sorted(costs_of, reverse=True):
         if fudges is not None:
             if mb not in fudges:
@@ -267,17 +267,16 @@ def solve_micro_batches(costs_of: dict[int, ModelCosts], step_sequences: int, pr
         try:
             plan = solve(costs_of[mb], prof, dt, gpu_budget, host_budget, mb, step_sequences // mb, cpu_threads, **kw)
         except ConfigError as e:
-            # the error closest to fitting: the least host memory any micro-batch needs (more
-            # rounds need fp32 grads on the host), else the smallest micro-batch's (the last)
-            host_closer = isinstance(e, HostShortfall) and isinstance(missing, HostShortfall) and e.need < missing.need
-            if not isinstance(missing, HostShortfall) or host_closer:
-                missing = e
-            if isinstance(e, GpuShortfall):
-                gpu_short[mb] = e.need
+            failed.append((mb, e))
             continue
         if best is None or plan.predicted["step_s"] < best.predicted["step_s"] - 1e-12:
             best, best_costs = plan, costs_of[mb]
     if best is None:
+        # the error closest to fitting: the least host memory any micro-batch needs (more rounds
+        # need fp32 grads on the host), else the smallest micro-batch's (the last)
+        host = [e for _, e in failed if isinstance(e, HostShortfall)]
+        missing = min(host, key=lambda e: e.need) if host else failed[-1][1]
+        gpu_short = {mb: e.need for mb, e in failed if isinstance(e, GpuShortfall)}
         if shortfall_hints and isinstance(missing, HostShortfall):
             hints = _host_shortfall_hints(costs_of, step_sequences, prof, dt, gpu_budget, host_budget, cpu_threads,
                                           fudges, kw)

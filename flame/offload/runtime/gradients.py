@@ -69,8 +69,8 @@ class Gradients:
                  grad_dtype: torch.dtype, host_grad_dtype: torch.dtype, rounds: int, group, world: int,
                  comm_device: torch.device, worker: CpuWorker):
         """`grad_dtype`: the dtype grads are summed in over micro-batches (and gpu units' grads
-        kept in); `host_grad_dtype`: the dtype host units' grads of one micro-batch a step reach
-        the host in (cost_model.host_grad_dtype)."""
+        kept in); `host_grad_dtype`: the dtype host units' grads reach the host in once a step
+        (cost_model.host_grad_dtype: the compute dtype with one micro-batch, else `grad_dtype`)."""
         self.units, self.s, self.device = units, streams, device
         self.compute_dtype, self.grad_dtype, self.host_grad_dtype = compute_dtype, grad_dtype, host_grad_dtype
         self.rounds = rounds
@@ -115,7 +115,7 @@ class Gradients:
             # grads arrive on the host once a step already in their host dtype (as autograd wrote
             # them, converted or accumulated on the GPU), straight into the accumulator the CPU
             # AdamW reads
-            g.staging = torch.zeros(u.shard_numel, dtype=self.host_grad_dtype if self.direct else self.grad_dtype)
+            g.staging = torch.zeros(u.shard_numel, dtype=self.host_grad_dtype)
             g.accumulator = g.staging
         else:
             g.staging = torch.zeros(u.shard_numel, dtype=self.compute_dtype)
